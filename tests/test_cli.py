@@ -1,0 +1,132 @@
+"""The command line: outputs of a short run, clear errors, Ctrl-C, non-finite losses."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ppo_cartpole_gpu as P
+from probes import Probe1
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ppo_cartpole_gpu.py")
+
+
+def run_cli(*flags, cwd, env=None, timeout=240):
+    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def only_run_dir(root) -> str:
+    runs = glob.glob(os.path.join(root, "runs", "*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def scalar_tags(run_dir: str) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir)
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+def test_smoke_run_writes_events_summary_video_model_and_wandb(tmp_path):
+    result = run_cli("--total-timesteps", "6144", "--num-envs", "64", "--num-steps", "32", "--capture-video",
+                     "--video-interval", "2", "--save-model", "--track", "--eval-episodes", "3", "--seed", "7",
+                     cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run_dir = only_run_dir(tmp_path)
+    assert os.path.basename(run_dir).startswith("CartPole-v1__ppo_cartpole_gpu__7__")
+    tags = scalar_tags(run_dir)
+    for tag in ("charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
+                "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
+                "losses/clipfrac", "losses/explained_variance", "eval/episodic_return"):  # fmt: skip
+        assert tag in tags, tag
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["total_env_steps"] == 6144 and summary["status"] == "completed"
+    assert summary["wall_seconds"] > 0 and summary["mean_sps"] > 0 and summary["episodes"] > 0
+    assert 8 <= summary["mean_return_last_100"] <= 500
+    assert "solved_at_step" in summary and "solved_at_seconds" in summary and len(summary["eval_returns"]) == 3
+    # iterations 1 and 3 of 3 get a video: 4x4 grid of 600x400
+    videos = sorted(glob.glob(os.path.join(run_dir, "videos", "*.mp4")))
+    assert [os.path.basename(v) for v in videos] == ["rollout_iter00001.mp4", "rollout_iter00003.mp4"]
+    assert os.path.getsize(videos[0]) > 1000
+    state = torch.load(summary["model_path"] if os.path.isabs(summary["model_path"]) else
+                       os.path.join(tmp_path, summary["model_path"]))  # fmt: skip
+    agent = P.Agent(4, 2)
+    agent.load_state_dict(state)
+    assert glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*"))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-envs", "0"], "--num-envs must be positive"),
+        (["--total-timesteps", "-5"], "--total-timesteps must be positive"),
+        (["--num-envs", "10", "--num-steps", "3", "--num-minibatches", "4"], "not divisible by --num-minibatches"),
+        (["--total-timesteps", "100"], "smaller than one rollout"),
+        (["--env-id", "MountainCar-v0"], "unknown --env-id 'MountainCar-v0'"),
+        (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
+        (["--learning-rate", "nan"], "--learning-rate must be > 0"),
+        (["--clip-coef", "0"], "--clip-coef must be > 0"),
+        (["--device", "tpu7"], "--device"),
+    ],
+)
+def test_bad_flags_give_one_clear_line(flags, message, tmp_path):
+    result = run_cli(*flags, cwd=tmp_path, timeout=60)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu_is_a_clear_error(tmp_path):
+    result = run_cli("--device", "cuda", cwd=tmp_path, timeout=60)
+    assert result.returncode != 0 and result.stderr.strip() == (
+        "error: --device cuda was asked for but no CUDA GPU is available; use --device cpu"
+    )
+
+
+def test_unknown_flag_is_rejected_without_traceback(tmp_path):
+    result = run_cli("--num-env", "3", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "--num-envs" in result.stderr
+
+
+def test_ctrl_c_writes_summary_and_model(tmp_path):
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "100000000", "--save-model",
+                             "--target-return", "None", "--no-progress-bar"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not glob.glob(str(tmp_path / "runs" / "*" / "events.out.tfevents.*")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)  # let a few iterations run
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["status"] == "interrupted" and summary["total_env_steps"] > 0
+    assert os.path.exists(os.path.join(run_dir, "ppo_cartpole_gpu.cleanrl_model"))
+    assert "charts/SPS" in scalar_tags(run_dir)
+
+
+class NaNProbe(Probe1):
+    def reward(self, action):
+        return torch.full((self.num_envs,), float("nan"))
+
+
+def test_non_finite_loss_stops_the_run(in_tmp):
+    args = P.Args(total_timesteps=4096, num_envs=64, num_steps=16, progress_bar=False, eval_episodes=0, save_model=True)
+    with pytest.raises(P.NonFiniteLossError, match="non-finite loss at iteration 1"):
+        P.train(args, envs=NaNProbe(64, "cpu"))
+    summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
+    assert summary["status"] == "non-finite loss" and "model_path" not in summary
