@@ -153,17 +153,18 @@ class CartPole:
         self.num_envs = num_envs
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        # action 0 pushes left, action 1 pushes right: indexing this table is one kernel
-        self.forces = torch.tensor([-self.force_mag, self.force_mag], device=self.device)
-        self.state = torch.zeros(num_envs, 4, device=self.device)
+        # On a GPU, reading which envs finished would stall the stream (see `_autoreset`).
+        self.sync_free_reset = self.device.type != "cpu"
+        self.state = self._initial_states(num_envs)
         self.episode_return = torch.zeros(num_envs, device=self.device)
         self.episode_length = torch.zeros(num_envs, dtype=torch.int32, device=self.device)
 
-    def _initial_states(self) -> torch.Tensor:
-        return torch.empty(self.num_envs, 4, device=self.device).uniform_(-0.05, 0.05, generator=self.generator)
+    def _initial_states(self, n: int) -> torch.Tensor:
+        # stored feature-major, (4, n) in memory and seen as (n, 4): see `step`
+        return torch.empty(4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).T
 
     def reset(self):
-        self.state = self._initial_states()
+        self.state = self._initial_states(self.num_envs)
         self.episode_return.zero_()
         self.episode_length.zero_()
         return self.state, {}
@@ -178,15 +179,19 @@ class CartPole:
 
     def step(self, action: torch.Tensor):
         x, x_dot, theta, theta_dot = self.state.unbind(1)
-        force = self.forces[action]
+        force = action * (2 * self.force_mag) - self.force_mag  # action 1 pushes right, 0 left
         costheta, sintheta = torch.cos(theta), torch.sin(theta)
-        temp = (force + self.polemass_length * theta_dot.square() * sintheta) / self.total_mass
+        # gymnasium's equations; addcmul(a, b, c, value=v) = a + v*b*c saves kernels
+        temp = torch.addcmul(force, theta_dot.square(), sintheta, value=self.polemass_length) / self.total_mass
         thetaacc = (self.gravity * sintheta - costheta * temp) / (
             self.length * (4.0 / 3.0 - self.masspole / self.total_mass * costheta.square())
         )
-        xacc = temp - self.polemass_length / self.total_mass * thetaacc * costheta
-        # explicit Euler, as gymnasium's default kinematics_integrator="euler"
-        self.state = self.state + self.tau * torch.stack((x_dot, xacc, theta_dot, thetaacc), dim=1)
+        xacc = torch.addcmul(temp, thetaacc, costheta, value=-self.polemass_length / self.total_mass)
+        # Explicit Euler, as gymnasium's default kinematics_integrator="euler". The state is kept
+        # feature-major ((4, N) in memory, seen as (N, 4)) so x, x_dot, ... are contiguous rows:
+        # elementwise ops on them are faster and stacking rows is ~9x cheaper than stacking columns.
+        derivatives = torch.stack((x_dot, xacc, theta_dot, thetaacc))
+        self.state = torch.add(self.state.T, derivatives, alpha=self.tau).T
 
         terminated = self.terminated()
         reward = self.reward_function(action)
@@ -195,12 +200,20 @@ class CartPole:
         truncated = self.episode_length >= self.max_episode_steps
         done = terminated | truncated
         info = {"final_obs": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length}
+        self._autoreset(done)
+        return self.state, reward, terminated, truncated, info
 
-        # auto-reset without a host sync: draw fresh states for every env, keep them where done
-        self.state = torch.where(done.unsqueeze(1), self._initial_states(), self.state)
+    def _autoreset(self, done: torch.Tensor) -> None:
+        """Give finished envs fresh initial states, out of place (info["final_obs"] keeps the old)."""
+        if self.sync_free_reset:
+            # draw for every env and keep the draws where done: no host read of `done`
+            self.state = torch.where(done.unsqueeze(1), self._initial_states(self.num_envs), self.state)
+        else:
+            # no stream to stall on the CPU: draw for the finished envs only (~4x cheaper here)
+            idx = done.nonzero().squeeze(1)
+            self.state = self.state.index_put((idx,), self._initial_states(idx.numel()))
         self.episode_return = self.episode_return.masked_fill(done, 0.0)
         self.episode_length = self.episode_length.masked_fill(done, 0)
-        return self.state, reward, terminated, truncated, info
 
 
 class EasyCart(CartPole):

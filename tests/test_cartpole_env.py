@@ -88,8 +88,10 @@ def test_truncation_at_500_steps_and_autoreset():
     assert torch.all(env.episode_length == 0) and torch.all(env.episode_return == 0)
 
 
-def test_termination_resets_only_finished_envs():
+@pytest.mark.parametrize("sync_free", [False, True], ids=["cpu-reset", "gpu-style-reset"])
+def test_termination_resets_only_finished_envs(sync_free):
     env = P.CartPole(2, "cpu", seed=0)
+    env.sync_free_reset = sync_free  # the GPU's where-based reset, exercised on the CPU
     env.reset()
     env.state = torch.tensor([[2.39, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     obs, _, terminated, truncated, info = env.step(torch.tensor([1, 1]))

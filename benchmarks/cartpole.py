@@ -1,0 +1,280 @@
+"""Speed benchmark for the tensor CartPole and ppo_cartpole_gpu.py, side by side in one run.
+
+Prints one markdown table (with the command and the machine) comparing:
+  1. env steps/s, random actions: our torch CartPole vs gymnasium's numpy vector CartPole
+     (`gymnasium.make_vec("CartPole-v1", vectorization_mode="vector_entry_point")`);
+  2. PPO training steps/s of ppo_cartpole_gpu.py at --num-envs 4096 (other flags default);
+  3. time-to-solve (training seconds and env steps until the mean return of the last 100
+     episodes first reaches 475): our defaults vs a CleanRL-style baseline written below
+     (PPO, 4 gymnasium CartPole-v1 envs in a SyncVectorEnv, 128 steps, CleanRL's defaults).
+
+    python benchmarks/cartpole.py                 # everything, ~4 minutes on a 2-core CPU
+    python benchmarks/cartpole.py --seeds 1       # one seed per time-to-solve row
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_cartpole_gpu as ours  # noqa: E402
+
+
+@dataclass
+class BenchArgs:
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """seeds for the time-to-solve rows"""
+    env_sizes: list[int] = field(default_factory=lambda: [256, 4096, 16384])
+    """numbers of envs for the env step-rate rows"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """device for our env and trainer (the gymnasium env and the baseline run on the CPU)"""
+    seconds_per_measure: float = 1.0
+    """wall seconds per env step-rate measurement (the best of three is kept)"""
+    baseline_max_steps: int = 500_000
+    """the baseline gives up after this many env steps (CleanRL's default total)"""
+    skip_baseline: bool = False
+    """leave out the CleanRL-style baseline (quick runs)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. env step rate
+# ----------------------------------------------------------------------------------------------
+def best_rate(step_fn, n_envs: int, seconds: float, repeats: int = 3) -> float:
+    """Env steps per second of `step_fn(i)`, the best of `repeats` timed loops of ~`seconds`."""
+    for i in range(10):  # warm-up
+        step_fn(i)
+    t0, k = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        step_fn(k)
+        k += 1
+    steps = max(10, int(k * seconds / 0.2))
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step_fn(i)
+        rates.append(steps * n_envs / (time.perf_counter() - t0))
+    return max(rates)
+
+
+def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, float]:
+    env = ours.CartPole(n, device, seed=0)
+    env.reset()
+    actions = torch.randint(0, 2, (64, n), device=device)
+
+    def ours_step(i):
+        env.step(actions[i % 64])
+
+    rate_ours = best_rate(ours_step, n, seconds)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ref = gym.make_vec("CartPole-v1", num_envs=n, vectorization_mode="vector_entry_point")
+    ref.reset(seed=0)
+    np_actions = np.random.default_rng(0).integers(0, 2, size=(64, n))
+    rate_ref = best_rate(lambda i: ref.step(np_actions[i % 64]), n, seconds)
+    ref.close()
+    return rate_ours, rate_ref
+
+
+# ----------------------------------------------------------------------------------------------
+# 2./3. our trainer
+# ----------------------------------------------------------------------------------------------
+def run_ours(**overrides) -> dict:
+    """Train in a scratch folder with the given flag overrides; return summary.json."""
+    args = ours.Args(progress_bar=False, eval_episodes=0, **overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            ours.train(args)
+            (run,) = os.listdir("runs")
+            with open(os.path.join("runs", run, "summary.json")) as f:
+                return json.load(f)
+        finally:
+            os.chdir(cwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. CleanRL-style baseline: CleanRL's ppo.py structure and defaults, written for this benchmark
+# ----------------------------------------------------------------------------------------------
+class BaselineAgent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(
+            ours.layer_init(nn.Linear(4, 64)), nn.Tanh(),
+            ours.layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            ours.layer_init(nn.Linear(64, 1), std=1.0),
+        )  # fmt: skip
+        self.actor = nn.Sequential(
+            ours.layer_init(nn.Linear(4, 64)), nn.Tanh(),
+            ours.layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            ours.layer_init(nn.Linear(64, 2), std=0.01),
+        )  # fmt: skip
+
+    def get_action_and_value(self, x, action=None):
+        dist = torch.distributions.Categorical(logits=self.actor(x))
+        if action is None:
+            action = dist.sample()
+        return action, dist.log_prob(action), dist.entropy(), self.critic(x).squeeze(-1)
+
+
+def cleanrl_baseline(seed: int, max_steps: int) -> dict:
+    """PPO as CleanRL's ppo.py: 4 envs x 128 steps, lr 2.5e-4 annealed over 500k steps, 4 minibatches,
+    4 epochs, gamma 0.99, lambda 0.95, clip 0.2, clipped value loss, ent 0.01, vf 0.5, grad norm 0.5.
+    Episodes reset in the same step (as gymnasium 0.29, which CleanRL targets); truncation is
+    treated as termination, as CleanRL does."""
+    num_envs, num_steps, total, lr = 4, 128, 500_000, 2.5e-4
+    gamma, lam, clip, ent_coef, vf_coef, max_grad = 0.99, 0.95, 0.2, 0.01, 0.5, 0.5
+    batch, minibatch = num_envs * num_steps, num_envs * num_steps // 4
+    torch.manual_seed(seed)
+    envs = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1") for _ in range(num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    agent = BaselineAgent()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
+    obs = torch.zeros((num_steps, num_envs, 4))
+    actions = torch.zeros((num_steps, num_envs), dtype=torch.long)
+    logprobs, rewards, dones, values = (torch.zeros((num_steps, num_envs)) for _ in range(4))
+    next_obs = torch.tensor(envs.reset(seed=seed)[0])
+    next_done = torch.zeros(num_envs)
+    ep_ret, recent = np.zeros(num_envs), []
+    global_step, start = 0, time.perf_counter()
+    num_iterations = total // batch
+    for iteration in range(1, num_iterations + 1):
+        optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
+        for step in range(num_steps):
+            global_step += num_envs
+            obs[step], dones[step] = next_obs, next_done
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(next_obs)
+            values[step], actions[step], logprobs[step] = value, action, logprob
+            o, r, term, trunc, _ = envs.step(action.numpy())
+            done = np.logical_or(term, trunc)
+            rewards[step] = torch.tensor(r, dtype=torch.float32)
+            next_obs, next_done = torch.tensor(o), torch.tensor(done, dtype=torch.float32)
+            ep_ret += r
+            for i in np.flatnonzero(done):
+                recent = (recent + [ep_ret[i]])[-100:]
+                ep_ret[i] = 0.0
+            if len(recent) == 100 and np.mean(recent) >= ours.SOLVED_RETURN:
+                envs.close()
+                return {"solved_at_seconds": time.perf_counter() - start, "solved_at_step": global_step,
+                        "mean_sps": global_step / (time.perf_counter() - start)}  # fmt: skip
+        with torch.no_grad():
+            next_value = agent.critic(next_obs).squeeze(-1)
+            advantages = torch.zeros_like(rewards)
+            lastgaelam = 0
+            for t in reversed(range(num_steps)):
+                nextnonterminal = 1.0 - (next_done if t == num_steps - 1 else dones[t + 1])
+                nextvalues = next_value if t == num_steps - 1 else values[t + 1]
+                delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+            returns = advantages + values
+        b_obs, b_actions, b_logprobs = obs.reshape(-1, 4), actions.reshape(-1), logprobs.reshape(-1)
+        b_adv, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+        for _ in range(4):
+            perm = np.random.permutation(batch)
+            for s in range(0, batch, minibatch):
+                mb = perm[s : s + minibatch]
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions[mb])
+                ratio = (newlogprob - b_logprobs[mb]).exp()
+                adv = (b_adv[mb] - b_adv[mb].mean()) / (b_adv[mb].std() + 1e-8)
+                pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+                v_clipped = b_values[mb] + (newvalue - b_values[mb]).clamp(-clip, clip)
+                v_loss = 0.5 * torch.max((newvalue - b_returns[mb]) ** 2, (v_clipped - b_returns[mb]) ** 2).mean()
+                loss = pg_loss - ent_coef * entropy.mean() + vf_coef * v_loss
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), max_grad)
+                optimizer.step()
+        if global_step >= max_steps:
+            break
+    envs.close()
+    return {"solved_at_seconds": None, "solved_at_step": None, "mean_sps": global_step / (time.perf_counter() - start)}
+
+
+# ----------------------------------------------------------------------------------------------
+def spread(values: list[float], fmt: str) -> str:
+    """'mean (min–max)' of the solved runs, and how many did not solve."""
+    solved = [v for v in values if v is not None]
+    if not solved:
+        return "not solved"
+    text = format(statistics.mean(solved), fmt)
+    if len(solved) > 1:
+        text += f" ({format(min(solved), fmt)}–{format(max(solved), fmt)})"
+    if len(solved) < len(values):
+        text += f", {len(values) - len(solved)} unsolved"
+    return text
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{model}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, gymnasium {gym.__version__}"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def main() -> None:
+    bench = tyro.cli(BenchArgs)
+    device = torch.device(bench.device)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    rows = []
+    for n in bench.env_sizes:
+        r_ours, r_ref = env_rates(n, device, bench.seconds_per_measure)
+        rows.append((f"env steps/s, random actions, N={n}", f"{r_ours:,.0f} ({device.type})", f"{r_ref:,.0f}",
+                     f"{r_ours / r_ref:.2f}x"))  # fmt: skip
+        print(rows[-1], file=sys.stderr)
+
+    s = run_ours(num_envs=4096, target_return=None, total_timesteps=4096 * 16 * 20, device=bench.device)
+    rows.append(("PPO training SPS, --num-envs 4096 (20 iterations)", f"{s['mean_sps']:,.0f} ({device.type})", "", ""))
+    print(rows[-1], file=sys.stderr)
+
+    solved = [run_ours(seed=seed, device=bench.device) for seed in bench.seeds]
+    ours_secs = [s["solved_at_seconds"] for s in solved]
+    ours_steps = [s["solved_at_step"] for s in solved]
+    base_secs, base_steps = [None], [None]
+    if not bench.skip_baseline:
+        base = [cleanrl_baseline(seed, bench.baseline_max_steps) for seed in bench.seeds]
+        base_secs = [b["solved_at_seconds"] for b in base]
+        base_steps = [b["solved_at_step"] for b in base]
+    ratio = ""
+    if None not in ours_secs and None not in base_secs:
+        ratio = f"{statistics.mean(base_secs) / statistics.mean(ours_secs):.1f}x faster"
+    seeds = ",".join(map(str, bench.seeds))
+    rows.append((f"time-to-solve, s (seeds {seeds}; defaults vs CleanRL-style)", spread(ours_secs, ".2f"),
+                 spread(base_secs, ".1f"), ratio))  # fmt: skip
+    rows.append((f"env steps to solve (seeds {seeds})", spread(ours_steps, ",.0f"), spread(base_steps, ",.0f"),
+                 ""))  # fmt: skip
+    if not bench.skip_baseline:
+        rows.append(("mean training SPS while solving", spread([s["mean_sps"] for s in solved], ",.0f"),
+                     spread([b["mean_sps"] for b in base], ",.0f"), ""))  # fmt: skip
+
+    print(f"\n`python {' '.join(sys.argv)}` on {machine()}\n")
+    print("| measure | ours | gymnasium / CleanRL-style | ratio |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
