@@ -628,6 +628,12 @@ def train(args: Args, envs=None) -> Agent:
         summary["args"] = asdict(args)
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        solved = "never" if solved_step is None else f"at step {solved_step:,} ({solved_seconds:.2f} s)"
+        print(
+            f"{status}: {global_step:,} steps in {elapsed:.1f} s ({summary['mean_sps']:,.0f} SPS); "
+            f"mean return of the last 100 episodes {summary['mean_return_last_100']}, reached {SOLVED_RETURN:g} {solved}; "
+            f"greedy evaluation {summary.get('eval_mean_return', 'skipped')}; outputs in {run_dir}"
+        )
         writer.close()
         if args.track:
             wandb.finish()
