@@ -421,7 +421,9 @@ def validate(args: Args, envs=None) -> torch.device:
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     if envs is None and args.env_id not in ENVS:
         raise UsageError(f"unknown --env-id {args.env_id!r}; choose one of {', '.join(ENVS)}")
-    if args.capture_video and not isinstance(envs, CartPole) and envs is not None:
+    if envs is not None and envs.num_envs != args.num_envs:
+        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
+    if args.capture_video and envs is not None and not isinstance(envs, CartPole):
         raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
     try:
         device = torch.device(args.device)
@@ -522,22 +524,20 @@ def train(args: Args, envs=None) -> Agent:
                     ep_length_buf[t] = info["episode_length"]
                 global_step += batch_size
 
-                # values, old log-probs and the bootstrap values in three batched passes
+                # old log-probs, values and bootstrap values in batched passes over the whole rollout
                 b_obs = obs_buf.view(batch_size, -1)
                 b_actions = actions_buf.view(batch_size)
-                b_logprobs = agent.actor(b_obs).log_softmax(-1).gather(1, b_actions.unsqueeze(1)).squeeze(1)
-                values = agent.get_value(b_obs).view(T, N)
+                b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
                 next_values = agent.get_value(final_obs_buf.view(batch_size, -1)).view(T, N)
                 advantages, returns = compute_gae(
-                    rewards_buf, values, next_values, terminated_buf, dones_buf, args.gamma, args.gae_lambda
+                    rewards_buf, b_values.view(T, N), next_values, terminated_buf, dones_buf, args.gamma, args.gae_lambda
                 )
-            b_advantages, b_returns, b_values = advantages.view(-1), returns.view(-1), values.view(-1)
+            b_advantages, b_returns = advantages.view(-1), returns.view(-1)
 
             stats = torch.zeros(len(STAT_NAMES), device=device)
             updates = 0
-            for epoch in range(args.update_epochs):
+            for _ in range(args.update_epochs):
                 perm = torch.randperm(batch_size, device=device)  # shuffled on the device
-                epoch_kl = torch.zeros((), device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb = perm[start : start + minibatch_size]
                     loss, mb_stats = ppo_loss(

@@ -130,3 +130,19 @@ def test_non_finite_loss_stops_the_run(in_tmp):
         P.train(args, envs=NaNProbe(64, "cpu"))
     summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
     assert summary["status"] == "non-finite loss" and "model_path" not in summary
+
+
+@pytest.mark.parametrize("target_kl, expected_calls", [(None, 2 * 4 * 4), (1e-9, 2 * 4)])
+def test_target_kl_stops_the_epochs_early(target_kl, expected_calls, in_tmp, monkeypatch):
+    calls = []
+    real_loss = P.ppo_loss
+    monkeypatch.setattr(P, "ppo_loss", lambda *a, **k: calls.append(1) or real_loss(*a, **k))
+    args = P.Args(total_timesteps=2 * 64 * 16, num_envs=64, num_steps=16, num_minibatches=4, update_epochs=4,
+                  target_kl=target_kl, progress_bar=False, eval_episodes=0)  # fmt: skip
+    P.train(args)
+    assert len(calls) == expected_calls
+
+
+def test_env_size_must_match_num_envs(in_tmp):
+    with pytest.raises(P.UsageError, match="the env has 8 envs but --num-envs is 64"):
+        P.train(P.Args(num_envs=64, progress_bar=False), envs=Probe1(8, "cpu"))
