@@ -1,5 +1,6 @@
 """The tensor CartPole against gymnasium's reference CartPole-v1."""
 
+import importlib
 import math
 
 import gymnasium as gym
@@ -8,7 +9,13 @@ import pytest
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
-import ppo_cartpole_gpu as P
+from conftest import SCRIPTS
+
+
+@pytest.fixture(params=SCRIPTS)
+def P(request):
+    """Each script carries its own copy of the env: every copy is checked."""
+    return importlib.import_module(request.param)
 
 
 def random_states(n: int, seed: int) -> np.ndarray:
@@ -18,7 +25,7 @@ def random_states(n: int, seed: int) -> np.ndarray:
     return rng.uniform(-high, high, size=(n, 4)).astype(np.float32)
 
 
-def test_constants_match_gymnasium():
+def test_constants_match_gymnasium(P):
     ref = CartPoleEnv()
     for name in ("gravity", "masscart", "masspole", "total_mass", "length", "polemass_length", "force_mag", "tau",
                  "x_threshold", "theta_threshold_radians"):  # fmt: skip
@@ -28,7 +35,7 @@ def test_constants_match_gymnasium():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_one_step_matches_gymnasium(seed):
+def test_one_step_matches_gymnasium(P, seed):
     n = 2000
     states = random_states(n, seed)
     actions = np.random.default_rng(seed + 100).integers(0, 2, size=n)
@@ -51,7 +58,7 @@ def test_one_step_matches_gymnasium(seed):
     assert torch.all(reward == 1.0) and not truncated.any()
 
 
-def test_trajectory_matches_gymnasium():
+def test_trajectory_matches_gymnasium(P):
     """A whole episode, stepping both envs with the same actions, stays within float32 error."""
     env = P.CartPole(1, "cpu", seed=3)
     obs, _ = env.reset()
@@ -70,7 +77,7 @@ def test_trajectory_matches_gymnasium():
     assert t > 5
 
 
-def test_truncation_at_500_steps_and_autoreset():
+def test_truncation_at_500_steps_and_autoreset(P):
     env = P.CartPole(3, "cpu", seed=0)
     env.reset()
     for t in range(1, 501):
@@ -89,7 +96,7 @@ def test_truncation_at_500_steps_and_autoreset():
 
 
 @pytest.mark.parametrize("sync_free", [False, True], ids=["cpu-reset", "gpu-style-reset"])
-def test_termination_resets_only_finished_envs(sync_free):
+def test_termination_resets_only_finished_envs(P, sync_free):
     env = P.CartPole(2, "cpu", seed=0)
     env.sync_free_reset = sync_free  # the GPU's where-based reset, exercised on the CPU
     env.reset()
@@ -101,13 +108,13 @@ def test_termination_resets_only_finished_envs(sync_free):
     assert env.episode_length.tolist() == [0, 1]
 
 
-def test_seeding():
+def test_seeding(P):
     a, b, c = (P.CartPole(8, "cpu", seed=s).reset()[0] for s in (1, 1, 2))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.abs().max() <= 0.05 and a.dtype == torch.float32
 
 
-def test_shaped_envs():
+def test_shaped_envs(P):
     states = torch.from_numpy(random_states(1000, 5))
     easy, spin = P.EasyCart(1000, "cpu"), P.SpinCart(1000, "cpu")
     easy.reset(), spin.reset()
@@ -124,7 +131,7 @@ def test_shaped_envs():
     assert r_spin[:500].min() > 0.9  # fast spin at the centre earns nearly the maximum
 
 
-def test_draw_frames():
+def test_draw_frames(P):
     frames = P.draw(torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.5, 0.0]]), width=150, height=100)
     assert frames.shape == (2, 100, 150, 3) and frames.dtype == torch.uint8
     # upright pole above the centred cart; cart black at the track; background white

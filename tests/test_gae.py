@@ -1,31 +1,20 @@
-"""GAE on the device against a plain per-env loop."""
+"""GAE on the device (ppo_cartpole_gpu.py and vpg.py carry the same one) against a plain per-env loop."""
+
+import importlib
 
 import numpy as np
+import pytest
 import torch
 
-import ppo_cartpole_gpu as P
+from reference import reference_gae
 
 
-def reference_gae(rewards, values, last_values, final_values, terminated, truncated, gamma, lam):
-    """Textbook per-env backward loop. `final_values[t]` is V(final_obs) where an episode ended."""
-    T, N = rewards.shape
-    adv = np.zeros((T, N))
-    for n in range(N):
-        gae = 0.0
-        for t in reversed(range(T)):
-            if terminated[t, n]:
-                next_value, gae = 0.0, 0.0
-            elif truncated[t, n]:  # cut by the time limit: bootstrap from the last observation
-                next_value, gae = final_values[t, n], 0.0
-            else:
-                next_value = values[t + 1, n] if t + 1 < T else last_values[n]
-            delta = rewards[t, n] + gamma * next_value - values[t, n]
-            gae = delta + gamma * lam * gae
-            adv[t, n] = gae
-    return adv, adv + values
+@pytest.fixture(params=["ppo_cartpole_gpu", "vpg"])
+def P(request):
+    return importlib.import_module(request.param)
 
 
-def test_gae_matches_reference_loop():
+def test_gae_matches_reference_loop(P):
     rng = np.random.default_rng(0)
     T, N, gamma, lam = 33, 17, 0.97, 0.9
     rewards = rng.normal(size=(T, N))
@@ -49,7 +38,7 @@ def test_gae_matches_reference_loop():
     assert terminated.any() and truncated.any()
 
 
-def test_truncation_bootstraps_but_termination_does_not():
+def test_truncation_bootstraps_but_termination_does_not(P):
     ones = torch.ones(1, 1)
     no = torch.zeros(1, 1, dtype=torch.bool)
     yes = torch.ones(1, 1, dtype=torch.bool)
@@ -58,7 +47,7 @@ def test_truncation_bootstraps_but_termination_does_not():
     assert adv_trunc.item() == 1 + 0.9 * 10 and adv_term.item() == 1.0
 
 
-def test_lambda_one_gives_discounted_returns():
+def test_lambda_one_gives_discounted_returns(P):
     rewards = torch.tensor([[1.0], [2.0], [3.0]])
     values = torch.tensor([[0.5], [0.1], [-0.2]])
     next_values = torch.tensor([[0.1], [-0.2], [7.0]])
