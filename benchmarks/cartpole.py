@@ -1,25 +1,31 @@
-"""Speed benchmark for the tensor CartPole and ppo_cartpole_gpu.py, side by side in one run.
+"""Speed benchmark for the tensor CartPole and the CartPole scripts, side by side in one run.
 
 Prints one markdown table (with the command and the machine) comparing:
   1. env steps/s, random actions: our torch CartPole vs gymnasium's numpy vector CartPole
      (`gymnasium.make_vec("CartPole-v1", vectorization_mode="vector_entry_point")`);
   2. PPO training steps/s of ppo_cartpole_gpu.py at --num-envs 4096 (other flags default);
   3. time-to-solve (training seconds and env steps until the mean return of the last 100
-     episodes first reaches 475): our defaults vs a CleanRL-style baseline written below
-     (PPO, 4 gymnasium CartPole-v1 envs in a SyncVectorEnv, 128 steps, CleanRL's defaults).
+     episodes first reaches 475) of reinforce.py, vpg.py and ppo_cartpole_gpu.py on their
+     defaults, and of a CleanRL-style baseline written below (PPO, 4 gymnasium CartPole-v1 envs in
+     a SyncVectorEnv, 128 steps, CleanRL's defaults).
+The time-to-solve runs keep their TensorBoard logs under `--logdir`; benchmarks/plot_curves.py
+draws them.
 
-    python benchmarks/cartpole.py                 # everything, ~4 minutes on a 2-core CPU
+    python benchmarks/cartpole.py                 # everything, ~5 minutes on a 2-core CPU
     python benchmarks/cartpole.py --seeds 1       # one seed per time-to-solve row
+    python benchmarks/plot_curves.py              # the learning-curve PNG from those logs
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
+import shutil
+import tempfile
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +37,8 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_cartpole_gpu as ours  # noqa: E402
+import reinforce  # noqa: E402
+import vpg  # noqa: E402
 
 
 @dataclass
@@ -47,6 +55,8 @@ class BenchArgs:
     """the baseline gives up after this many env steps (CleanRL's default total)"""
     skip_baseline: bool = False
     """leave out the CleanRL-style baseline (quick runs)"""
+    logdir: str = "benchmarks/logs"
+    """folder whose runs/ keeps the TensorBoard logs of the time-to-solve runs (emptied first)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,19 +102,19 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
 # ----------------------------------------------------------------------------------------------
 # 2./3. our trainer
 # ----------------------------------------------------------------------------------------------
-def run_ours(**overrides) -> dict:
-    """Train in a scratch folder with the given flag overrides; return summary.json."""
-    args = ours.Args(progress_bar=False, eval_episodes=0, **overrides)
-    with tempfile.TemporaryDirectory() as tmp:
-        cwd = os.getcwd()
-        os.chdir(tmp)
-        try:
-            ours.train(args)
-            (run,) = os.listdir("runs")
-            with open(os.path.join("runs", run, "summary.json")) as f:
-                return json.load(f)
-        finally:
-            os.chdir(cwd)
+def run_script(module, logdir: str, **overrides) -> dict:
+    """Train `module` (one of the scripts) in `logdir` with the given flag overrides; return its summary.json."""
+    args = module.Args(progress_bar=False, eval_episodes=0, **overrides)
+    cwd = os.getcwd()
+    os.chdir(logdir)
+    try:
+        before = set(glob.glob("runs/*"))
+        module.train(args)
+        (run,) = set(glob.glob("runs/*")) - before
+        with open(os.path.join(run, "summary.json")) as f:
+            return json.load(f)
+    finally:
+        os.chdir(cwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,6 +150,7 @@ def cleanrl_baseline(seed: int, max_steps: int) -> dict:
     gamma, lam, clip, ent_coef, vf_coef, max_grad = 0.99, 0.95, 0.2, 0.01, 0.5, 0.5
     batch, minibatch = num_envs * num_steps, num_envs * num_steps // 4
     torch.manual_seed(seed)
+    np.random.seed(seed)  # the minibatch shuffle, as CleanRL seeds it
     envs = gym.vector.SyncVectorEnv(
         [lambda: gym.make("CartPole-v1") for _ in range(num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
@@ -245,29 +256,28 @@ def main() -> None:
                      f"{r_ours / r_ref:.2f}x"))  # fmt: skip
         print(rows[-1], file=sys.stderr)
 
-    s = run_ours(num_envs=4096, target_return=None, total_timesteps=4096 * 16 * 20, device=bench.device)
+    shutil.rmtree(os.path.join(bench.logdir, "runs"), ignore_errors=True)
+    os.makedirs(bench.logdir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:  # the throughput run's logs are not kept
+        s = run_script(ours, scratch, num_envs=4096, target_return=None, total_timesteps=4096 * 16 * 20, device=bench.device)
     rows.append(("PPO training SPS, --num-envs 4096 (20 iterations)", f"{s['mean_sps']:,.0f} ({device.type})", "", ""))
     print(rows[-1], file=sys.stderr)
 
-    solved = [run_ours(seed=seed, device=bench.device) for seed in bench.seeds]
-    ours_secs = [s["solved_at_seconds"] for s in solved]
-    ours_steps = [s["solved_at_step"] for s in solved]
-    base_secs, base_steps = [None], [None]
-    if not bench.skip_baseline:
-        base = [cleanrl_baseline(seed, bench.baseline_max_steps) for seed in bench.seeds]
-        base_secs = [b["solved_at_seconds"] for b in base]
-        base_steps = [b["solved_at_step"] for b in base]
-    ratio = ""
-    if None not in ours_secs and None not in base_secs:
-        ratio = f"{statistics.mean(base_secs) / statistics.mean(ours_secs):.1f}x faster"
     seeds = ",".join(map(str, bench.seeds))
-    rows.append((f"time-to-solve, s (seeds {seeds}; defaults vs CleanRL-style)", spread(ours_secs, ".2f"),
-                 spread(base_secs, ".1f"), ratio))  # fmt: skip
-    rows.append((f"env steps to solve (seeds {seeds})", spread(ours_steps, ",.0f"), spread(base_steps, ",.0f"),
-                 ""))  # fmt: skip
-    if not bench.skip_baseline:
-        rows.append(("mean training SPS while solving", spread([s["mean_sps"] for s in solved], ",.0f"),
-                     spread([b["mean_sps"] for b in base], ",.0f"), ""))  # fmt: skip
+    base = [] if bench.skip_baseline else [cleanrl_baseline(seed, bench.baseline_max_steps) for seed in bench.seeds]
+    for module in (reinforce, vpg, ours):
+        solved = [run_script(module, bench.logdir, seed=seed, device=bench.device) for seed in bench.seeds]
+        name = module.__name__ + ".py"
+        ratio = ""
+        secs = [r["solved_at_seconds"] for r in solved]
+        if base and None not in secs and None not in [b["solved_at_seconds"] for b in base]:
+            ratio = f"{statistics.mean(b['solved_at_seconds'] for b in base) / statistics.mean(secs):.1f}x faster"
+        rows.append((f"time-to-solve, s, seeds {seeds}: {name} (defaults) vs CleanRL-style", spread(secs, ".2f"),
+                     spread([b["solved_at_seconds"] for b in base], ".1f") if base else "", ratio))  # fmt: skip
+        rows.append((f"env steps to solve, seeds {seeds}: {name} vs CleanRL-style",
+                     spread([r["solved_at_step"] for r in solved], ",.0f"),
+                     spread([b["solved_at_step"] for b in base], ",.0f") if base else "", ""))  # fmt: skip
+        print(rows[-2:], file=sys.stderr)
 
     print(f"\n`python {' '.join(sys.argv)}` on {machine()}\n")
     print("| measure | ours | gymnasium / CleanRL-style | ratio |")
