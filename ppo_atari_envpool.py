@@ -84,6 +84,9 @@ class Args:
     """torch.compile the network (pays a one-off compile time)"""
     channels_last: bool = True
     """keep conv activations in channels-last memory layout (faster convolutions on CPU and GPU)"""
+    bf16: bool = False
+    """run the CNN trunk in bfloat16 autocast (AMX on recent Xeons, tensor cores on GPUs); the
+    heads, the losses and the weights stay float32"""
 
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
@@ -199,10 +202,12 @@ class Agent(nn.Module):
     """The Nature CNN (Mnih et al. 2015) as a shared trunk, with actor and critic heads.
 
     Takes uint8 frames (B, 4, 84, 84) and scales them by 1/255 inside, so the rollout buffer stays uint8.
+    With `bf16` the trunk runs in bfloat16 autocast and hands float32 features to the heads.
     """
 
-    def __init__(self, num_actions: int):
+    def __init__(self, num_actions: int, bf16: bool = False):
         super().__init__()
+        self.bf16 = bf16
         self.network = nn.Sequential(
             layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -215,7 +220,9 @@ class Agent(nn.Module):
 
     def forward(self, obs: torch.Tensor):
         """Logits and value of uint8 observations."""
-        hidden = self.network(obs.float() / 255.0)
+        with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.network(obs.float() / 255.0)
+        hidden = hidden.float()
         return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
     def act(self, obs: torch.Tensor):
@@ -377,7 +384,7 @@ def train(args: Args) -> Agent:
 
     torch.manual_seed(args.seed)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    agent = Agent(envs.single_action_space.n).to(device, memory_format=memory_format)
+    agent = Agent(envs.single_action_space.n, bf16=args.bf16).to(device, memory_format=memory_format)
     if args.compile:  # compile the forward pass only, so the weights keep their plain names
         agent.forward = torch.compile(agent.forward)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # eps: detail 3

@@ -73,6 +73,20 @@ def test_network_shapes_and_dtypes(channels_last):
     assert sum(p.numel() for p in agent.network.parameters()) == 8_224 + 32_832 + 36_928 + 1_606_144
 
 
+def test_bf16_trunk_is_close_to_float32_and_heads_stay_float32():
+    torch.manual_seed(0)
+    agent = A.Agent(4)
+    fast = A.Agent(4, bf16=True)
+    fast.load_state_dict(agent.state_dict())
+    obs = torch.randint(0, 256, (16, 4, 84, 84), dtype=torch.uint8)
+    logits, value = agent(obs)
+    logits16, value16 = fast(obs)
+    assert logits16.dtype == value16.dtype == torch.float32
+    torch.testing.assert_close(logits16, logits, atol=2e-3, rtol=0.05)
+    torch.testing.assert_close(value16, value, atol=0.05, rtol=0.05)
+    assert all(p.dtype == torch.float32 for p in fast.parameters())
+
+
 # ---------------------------------------------------------------------------------------------
 # Rollout bookkeeping with a fake EnvPool
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""Atari training throughput of ppo_atari_envpool.py vs a CleanRL-style baseline, side by side in one run.
+
+The baseline is written below in the style of CleanRL's ppo_atari_envpool.py (synchronous
+`envs.step`, a float32 observation buffer, `torch.distributions.Categorical`, per-tensor Adam,
+no channels-last) at the same settings: same game, envs, steps, minibatches, epochs, network,
+threads and device. Prints one markdown table with the command and the machine.
+
+    python benchmarks/atari.py                          # Breakout-v5, 3 iterations of 8 envs x 128 steps each
+    python benchmarks/atari.py --env-id Pong-v5 --iterations 5
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import envpool
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_atari_envpool as ours  # noqa: E402
+
+
+@dataclass
+class BenchArgs:
+    env_id: str = "Breakout-v5"
+    """the game"""
+    iterations: int = 3
+    """PPO iterations (rollout + update) per measurement"""
+    num_envs: int = 8
+    """parallel games"""
+    num_steps: int = 128
+    """steps per env per rollout"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device for both"""
+
+
+def run_ours(bench: BenchArgs, **overrides) -> float:
+    """Mean training SPS of ppo_atari_envpool.py over `bench.iterations` iterations."""
+    args = ours.Args(env_id=bench.env_id, num_envs=bench.num_envs, num_steps=bench.num_steps, device=bench.device,
+                     total_timesteps=bench.num_envs * bench.num_steps * bench.iterations, eval_episodes=0,
+                     progress_bar=False, **overrides)  # fmt: skip
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            ours.train(args)
+            (path,) = glob.glob("runs/*/summary.json")
+            return json.load(open(path))["mean_sps"]
+        finally:
+            os.chdir(cwd)
+
+
+def cleanrl_baseline(bench: BenchArgs, seed: int = 1) -> float:
+    """Training SPS of a CleanRL-style PPO loop at CleanRL's Atari settings (lr 2.5e-4, 4 minibatches,
+    4 epochs, clip 0.1, ent 0.01, vf 0.5, grad norm 0.5, gamma 0.99, lambda 0.95)."""
+    device = torch.device(bench.device)
+    num_envs, num_steps = bench.num_envs, bench.num_steps
+    batch, minibatch = num_envs * num_steps, num_envs * num_steps // 4
+    envs = envpool.make(bench.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, episodic_life=True, reward_clip=True)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    agent = ours.Agent(envs.single_action_space.n).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
+
+    def get_action_and_value(x, action=None):
+        hidden = agent.network(x / 255.0)
+        dist = torch.distributions.Categorical(logits=agent.actor(hidden))
+        if action is None:
+            action = dist.sample()
+        return action, dist.log_prob(action), dist.entropy(), agent.critic(hidden).squeeze(-1)
+
+    obs = torch.zeros((num_steps, num_envs, 4, 84, 84), device=device)
+    actions = torch.zeros((num_steps, num_envs), dtype=torch.long, device=device)
+    logprobs, rewards, dones, values = (torch.zeros((num_steps, num_envs), device=device) for _ in range(4))
+    next_obs = torch.tensor(envs.reset()[0], dtype=torch.float32, device=device)
+    next_done = torch.zeros(num_envs, device=device)
+    episode_returns = np.zeros(num_envs)
+    global_step, start = 0, time.perf_counter()
+    for iteration in range(1, bench.iterations + 1):
+        optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / bench.iterations) * 2.5e-4
+        for step in range(num_steps):
+            global_step += num_envs
+            obs[step], dones[step] = next_obs, next_done
+            with torch.no_grad():
+                action, logprob, _, value = get_action_and_value(next_obs)
+            values[step], actions[step], logprobs[step] = value, action, logprob
+            o, r, term, trunc, info = envs.step(action.cpu().numpy())
+            episode_returns += info["reward"]  # game-score bookkeeping, as CleanRL's wrapper does
+            episode_returns[(info["terminated"] == 1) | trunc] = 0.0
+            rewards[step] = torch.tensor(r, device=device)
+            next_obs = torch.tensor(o, dtype=torch.float32, device=device)
+            next_done = torch.tensor(np.logical_or(term, trunc), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            next_value = get_action_and_value(next_obs)[3]
+            advantages = torch.zeros_like(rewards)
+            lastgaelam = 0
+            for t in reversed(range(num_steps)):
+                nextnonterminal = 1.0 - (next_done if t == num_steps - 1 else dones[t + 1])
+                nextvalues = next_value if t == num_steps - 1 else values[t + 1]
+                delta = rewards[t] + 0.99 * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + 0.99 * 0.95 * nextnonterminal * lastgaelam
+            returns = advantages + values
+        b_obs, b_actions, b_logprobs = obs.reshape(-1, 4, 84, 84), actions.reshape(-1), logprobs.reshape(-1)
+        b_adv, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+        for _ in range(4):
+            perm = np.random.permutation(batch)
+            for s in range(0, batch, minibatch):
+                mb = perm[s : s + minibatch]
+                _, newlogprob, entropy, newvalue = get_action_and_value(b_obs[mb], b_actions[mb])
+                ratio = (newlogprob - b_logprobs[mb]).exp()
+                adv = (b_adv[mb] - b_adv[mb].mean()) / (b_adv[mb].std() + 1e-8)
+                pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(0.9, 1.1)).mean()
+                v_clipped = b_values[mb] + (newvalue - b_values[mb]).clamp(-0.1, 0.1)
+                v_loss = 0.5 * torch.max((newvalue - b_returns[mb]) ** 2, (v_clipped - b_returns[mb]) ** 2).mean()
+                loss = pg_loss - 0.01 * entropy.mean() + 0.5 * v_loss
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), 0.5)
+                optimizer.step()
+    sps = global_step / (time.perf_counter() - start)
+    envs.close()
+    return sps
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{model}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, envpool {envpool.__version__}"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def main() -> None:
+    bench = tyro.cli(BenchArgs)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    dev = torch.device(bench.device).type
+    base = cleanrl_baseline(bench)
+    print(f"baseline {base:.0f}", file=sys.stderr)
+    rows = [("CleanRL-style baseline (sync)", base)]
+    for name, overrides in (
+        ("ppo_atari_envpool.py, sync", {}),
+        ("ppo_atari_envpool.py --async-envs", {"async_envs": True}),
+        ("ppo_atari_envpool.py --no-channels-last", {"channels_last": False}),
+        ("ppo_atari_envpool.py --bf16", {"bf16": True}),
+        ("ppo_atari_envpool.py --bf16 --async-envs", {"bf16": True, "async_envs": True}),
+    ):
+        rows.append((name, run_ours(bench, **overrides)))
+        print(f"{name} {rows[-1][1]:.0f}", file=sys.stderr)
+    print(f"\n`python {' '.join(sys.argv)}` on {machine()}; {bench.env_id}, {bench.num_envs} envs x "
+          f"{bench.num_steps} steps, 4 minibatches x 4 epochs, {bench.iterations} iterations, device {dev}\n")  # fmt: skip
+    print("| training loop | SPS | vs baseline |")
+    print("|---|---|---|")
+    for name, sps in rows:
+        print(f"| {name} | {sps:,.0f} | {sps / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
