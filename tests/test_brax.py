@@ -1,0 +1,159 @@
+"""ppo_mujoco_brax.py: the Brax wrapper (shapes, DLPack, truncation, fresh resets), the observation
+normaliser, bad input and short real runs."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+B = pytest.importorskip("ppo_mujoco_brax")
+pytest.importorskip("brax")
+from conftest import ROOT  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "ppo_mujoco_brax.py")
+
+
+@pytest.fixture(scope="module")
+def pendulum():
+    """4 inverted pendulums with 5-step episodes (compiled once for the module)."""
+    return B.BraxVecEnv("inverted_pendulum", "spring", 4, 5, "cpu", seed=0)
+
+
+def test_wrapper_shapes_and_dtypes(pendulum):
+    obs, info = pendulum.reset()
+    assert obs.shape == (4, 4) and obs.dtype == torch.float32 and info == {}
+    obs, reward, terminated, truncated, info = pendulum.step(torch.zeros(4, 1))
+    assert obs.shape == (4, 4) and reward.shape == (4,) and reward.dtype == torch.float32
+    assert terminated.dtype == truncated.dtype == torch.bool and terminated.shape == truncated.shape == (4,)
+    assert info["final_obs"].shape == (4, 4) and info["episode_length"].dtype == torch.int32
+
+
+def test_dlpack_round_trip_is_zero_copy_and_bit_exact(pendulum):
+    x = torch.randn(4096, 27)
+    j = pendulum.to_jax(x)
+    assert j.unsafe_buffer_pointer() == x.data_ptr()  # JAX reads torch's memory
+    back = pendulum.to_torch(j)
+    assert back.data_ptr() == x.data_ptr() and torch.equal(back, x)
+    flags = torch.rand(100) > 0.5
+    assert torch.equal(pendulum.to_torch(pendulum.to_jax(flags)), flags)
+
+
+def test_time_limit_truncates_with_the_final_observation_and_fresh_resets(pendulum):
+    first, _ = pendulum.reset()
+    for t in range(1, 6):  # the pendulums stay up for 5 steps with no force
+        before = pendulum.state.obs
+        obs, reward, terminated, truncated, info = pendulum.step(torch.zeros(4, 1))
+        assert not terminated.any()
+        assert truncated.all() == (t == 5) and truncated.any() == (t == 5)
+    assert torch.all(info["episode_length"] == 5) and torch.allclose(info["episode_return"], torch.full((4,), 5.0))
+    # the real last observation is kept, and differs from the new episode's first one
+    assert not torch.equal(info["final_obs"], obs) and not torch.equal(info["final_obs"], pendulum.to_torch(before))
+    # new episodes start from fresh random states, not from the first reset's (Brax's AutoResetWrapper does that)
+    assert not torch.equal(obs, first)
+    assert obs.abs().max() < 0.1
+
+
+def test_termination_is_not_truncation():
+    env = B.BraxVecEnv("inverted_pendulum", "spring", 2, 1000, "cpu", seed=0)
+    env.reset()
+    for _ in range(200):  # full force one way: the pole falls long before the time limit
+        obs, reward, terminated, truncated, info = env.step(torch.ones(2, 1))
+        if terminated.any():
+            break
+    assert terminated.all() and not truncated.any() and torch.all(info["episode_length"] < 1000)
+
+
+def test_running_mean_std_matches_numpy_on_streamed_chunks():
+    rng = np.random.default_rng(0)
+    data = rng.normal(loc=[1.0, -3.0, 10.0], scale=[0.5, 2.0, 7.0], size=(10_000, 3))
+    rms = B.RunningMeanStd((3,), epsilon=0.0)
+    start = 0
+    for size in rng.integers(1, 700, size=100):
+        chunk = data[start : start + size]
+        if len(chunk):
+            rms.update(torch.as_tensor(chunk, dtype=torch.float32))
+        start += size
+    seen = data[:start]
+    np.testing.assert_allclose(rms.mean.numpy(), seen.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(rms.var.numpy(), seen.var(0), rtol=1e-5)
+    assert rms.count.item() == len(seen)
+    z = rms.normalize(torch.as_tensor(seen[:5], dtype=torch.float32))
+    np.testing.assert_allclose(z.numpy(), (seen[:5] - seen.mean(0)) / seen.std(0), rtol=1e-4, atol=1e-4)
+
+
+def test_normaliser_is_saved_with_the_model():
+    agent = B.Agent(4, 1)
+    agent.obs_rms.update(torch.randn(100, 4) * 3 + 1)
+    copy = B.Agent(4, 1)
+    copy.load_state_dict(agent.state_dict())
+    torch.testing.assert_close(copy.obs_rms.mean, agent.obs_rms.mean)
+    torch.testing.assert_close(copy.obs_rms.var, agent.obs_rms.var)
+
+
+def test_gaussian_logprob_and_entropy():
+    torch.manual_seed(0)
+    agent = B.Agent(5, 3)
+    with torch.no_grad():
+        agent.actor_logstd.copy_(torch.tensor([-0.5, 0.0, 0.3]))
+    obs, actions = torch.randn(7, 5), torch.randn(7, 3)
+    logprob, entropy, value = agent.evaluate(obs, actions)
+    dist = torch.distributions.Normal(agent.actor_mean(obs), agent.actor_logstd.exp())
+    torch.testing.assert_close(logprob, dist.log_prob(actions).sum(-1))
+    torch.testing.assert_close(entropy, dist.entropy().sum(-1))
+    assert value.shape == (7,)
+
+
+def run_cli(*flags, cwd, timeout=900):
+    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("env_id", ["inverted_pendulum", "ant"])
+def test_smoke_run(env_id, tmp_path):
+    result = run_cli("--env-id", env_id, "--num-envs", "32", "--num-steps", "10", "--num-minibatches", "4",
+                     "--total-timesteps", "3200", "--eval-episodes", "2", "--no-progress-bar", "--save-model",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = glob.glob(str(tmp_path / "runs" / f"{env_id}__ppo_mujoco_brax__1__*"))
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["status"] == "completed" and summary["total_env_steps"] == 3200 and summary["mean_sps"] > 0
+    assert len(summary["eval_returns"]) == 2 and glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
+    state = torch.load(os.path.join(tmp_path, summary["model_path"]))
+    assert "obs_rms.mean" in state
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "cartpole"], "unknown --env-id 'cartpole'"),
+        (["--backend", "physx"], "unknown --backend 'physx'"),
+        (["--num-envs", "10", "--num-steps", "3", "--num-minibatches", "4", "--eval-episodes", "0"], "not divisible by --num-minibatches"),
+        (["--eval-episodes", "5000"], "--eval-episodes 5000 is more than --num-envs"),
+    ],
+)
+def test_bad_flags_give_one_clear_line(flags, message, tmp_path):
+    result = run_cli(*flags, cwd=tmp_path, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_missing_brax_names_the_pip_command(tmp_path):
+    code = (f"import sys; sys.modules['brax'] = None; import runpy; sys.argv = [{SCRIPT!r}]; "
+            f"runpy.run_path({SCRIPT!r}, run_name='__main__')")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2"
+
+
+@pytest.mark.slow
+def test_inverted_pendulum_is_learned(in_tmp):
+    """Slow (minutes on 2 CPU cores): the budget below, documented in README."""
+    args = B.Args(env_id="inverted_pendulum", num_envs=256, total_timesteps=1_000_000, progress_bar=False, eval_episodes=16)
+    B.train(args)
+    summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
+    assert summary["mean_return_last_100"] >= 900, summary
