@@ -11,12 +11,8 @@ threads and device. Prints one markdown table with the command and the machine.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -28,6 +24,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_atari_envpool as ours  # noqa: E402
+from common import machine, train_and_summarize  # noqa: E402
 
 
 @dataclass
@@ -49,15 +46,7 @@ def run_ours(bench: BenchArgs, **overrides) -> float:
     args = ours.Args(env_id=bench.env_id, num_envs=bench.num_envs, num_steps=bench.num_steps, device=bench.device,
                      total_timesteps=bench.num_envs * bench.num_steps * bench.iterations, eval_episodes=0,
                      progress_bar=False, **overrides)  # fmt: skip
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            ours.train(args)
-            (path,) = glob.glob("runs/*/summary.json")
-            return json.load(open(path))["mean_sps"]
-        finally:
-            os.chdir(cwd)
+    return train_and_summarize(ours, args)["mean_sps"]
 
 
 def cleanrl_baseline(bench: BenchArgs, seed: int = 1) -> float:
@@ -132,19 +121,6 @@ def cleanrl_baseline(bench: BenchArgs, seed: int = 1) -> float:
     return sps
 
 
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    text = f"{model}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, envpool {envpool.__version__}"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name()}"
-    return text
-
-
 def main() -> None:
     bench = tyro.cli(BenchArgs)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -161,7 +137,7 @@ def main() -> None:
     ):
         rows.append((name, run_ours(bench, **overrides)))
         print(f"{name} {rows[-1][1]:.0f}", file=sys.stderr)
-    print(f"\n`python {' '.join(sys.argv)}` on {machine()}; {bench.env_id}, {bench.num_envs} envs x "
+    print(f"\n`python {' '.join(sys.argv)}` on {machine(envpool)}; {bench.env_id}, {bench.num_envs} envs x "
           f"{bench.num_steps} steps, 4 minibatches x 4 epochs, {bench.iterations} iterations, device {dev}\n")  # fmt: skip
     print("| training loop | SPS | vs baseline |")
     print("|---|---|---|")

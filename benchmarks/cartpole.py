@@ -18,12 +18,8 @@ draws them.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import platform
 import shutil
-import tempfile
 import statistics
 import sys
 import time
@@ -37,6 +33,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_cartpole_gpu as ours  # noqa: E402
+from common import machine, train_and_summarize  # noqa: E402
 import reinforce  # noqa: E402
 import vpg  # noqa: E402
 
@@ -104,17 +101,7 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
 # ----------------------------------------------------------------------------------------------
 def run_script(module, logdir: str, **overrides) -> dict:
     """Train `module` (one of the scripts) in `logdir` with the given flag overrides; return its summary.json."""
-    args = module.Args(progress_bar=False, eval_episodes=0, **overrides)
-    cwd = os.getcwd()
-    os.chdir(logdir)
-    try:
-        before = set(glob.glob("runs/*"))
-        module.train(args)
-        (run,) = set(glob.glob("runs/*")) - before
-        with open(os.path.join(run, "summary.json")) as f:
-            return json.load(f)
-    finally:
-        os.chdir(cwd)
+    return train_and_summarize(module, module.Args(progress_bar=False, eval_episodes=0, **overrides), logdir)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,19 +219,6 @@ def spread(values: list[float], fmt: str) -> str:
     return text
 
 
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    text = f"{model}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, gymnasium {gym.__version__}"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name()}"
-    return text
-
-
 def main() -> None:
     bench = tyro.cli(BenchArgs)
     device = torch.device(bench.device)
@@ -258,8 +232,8 @@ def main() -> None:
 
     shutil.rmtree(os.path.join(bench.logdir, "runs"), ignore_errors=True)
     os.makedirs(bench.logdir, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:  # the throughput run's logs are not kept
-        s = run_script(ours, scratch, num_envs=4096, target_return=None, total_timesteps=4096 * 16 * 20, device=bench.device)
+    s = train_and_summarize(ours, ours.Args(num_envs=4096, target_return=None, total_timesteps=4096 * 16 * 20,
+                                            device=bench.device, progress_bar=False, eval_episodes=0))  # fmt: skip
     rows.append(("PPO training SPS, --num-envs 4096 (20 iterations)", f"{s['mean_sps']:,.0f} ({device.type})", "", ""))
     print(rows[-1], file=sys.stderr)
 
@@ -279,7 +253,7 @@ def main() -> None:
                      spread([b["solved_at_step"] for b in base], ",.0f") if base else "", ""))  # fmt: skip
         print(rows[-2:], file=sys.stderr)
 
-    print(f"\n`python {' '.join(sys.argv)}` on {machine()}\n")
+    print(f"\n`python {' '.join(sys.argv)}` on {machine(gym)}\n")
     print("| measure | ours | gymnasium / CleanRL-style | ratio |")
     print("|---|---|---|---|")
     for row in rows:
