@@ -165,6 +165,8 @@ class BraxVecEnv:
         import jax.numpy as jnp
 
         self.jax, self.device = jax, torch.device(device)
+        # where JAX computes; torch tensors on another device are moved (copied) across
+        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")
         self.env = envs.get_environment(env_id, backend=backend)
         self.num_envs, self.max_episode_steps = num_envs, episode_length
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
@@ -199,7 +201,7 @@ class BraxVecEnv:
         return t if t.device == self.device else t.to(self.device)
 
     def to_jax(self, t: torch.Tensor):
-        return self.jax.dlpack.from_dlpack(t.detach().contiguous())
+        return self.jax.dlpack.from_dlpack(t.detach().to(self.jax_device).contiguous())
 
     def reset(self):
         self.state, self._length, self._return, self._key = self._reset(self._key)

@@ -1,7 +1,9 @@
-"""Learning curves (episodic return vs env steps) of the CartPole scripts, from their TensorBoard logs.
+"""Learning curves (episodic return vs env steps) from TensorBoard logs.
 
     python benchmarks/cartpole.py                 # writes the logs to benchmarks/logs/runs
     python benchmarks/plot_curves.py              # -> docs/cartpole_learning_curves.png
+    python benchmarks/plot_curves.py --runs benchmarks/logs/atari/runs --exp-names ppo_atari_envpool \
+        --hline None --no-log-x --title "Breakout-v5" --out docs/atari_breakout.png
 
 Each run folder is named {env_id}__{exp_name}__{seed}__{time}; runs are grouped by exp_name, one
 colour per algorithm, one line per seed.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import matplotlib
 
@@ -31,6 +34,12 @@ class PlotArgs:
     """the scalar to draw"""
     out: str = "docs/cartpole_learning_curves.png"
     """the PNG to write"""
+    title: str = "CartPole-v1, default arguments, CPU (runs stop at a 100-episode mean of 500)"
+    """the plot's title (the seeds are appended)"""
+    hline: Optional[float] = 475.0
+    """a dashed reference line (None: none)"""
+    log_x: bool = True
+    """log-scale the env-step axis"""
 
 
 def load_curves(runs: str, tag: str) -> dict[str, list[tuple[int, list[int], list[float]]]]:
@@ -56,15 +65,17 @@ def main() -> None:
     if missing:
         raise SystemExit(f"error: no runs of {', '.join(missing)} with {args.tag} under {args.runs}")
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for colour, name in zip(("tab:orange", "tab:green", "tab:blue"), args.exp_names):
+    for colour, name in zip(("tab:orange", "tab:green", "tab:blue", "tab:red", "tab:purple"), args.exp_names):
         for i, (seed, steps, values) in enumerate(sorted(curves[name])):
             ax.plot(steps, values, color=colour, alpha=0.8, lw=1.2, label=f"{name}.py" if i == 0 else None)
-    ax.axhline(475, color="grey", ls="--", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("env steps (log scale)")
+    if args.hline is not None:
+        ax.axhline(args.hline, color="grey", ls="--", lw=0.8)
+    if args.log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel("env steps (log scale)" if args.log_x else "env steps")
     ax.set_ylabel("episodic return (iteration mean)")
     seeds = sorted({seed for name in args.exp_names for seed, _, _ in curves[name]})
-    ax.set_title(f"CartPole-v1, default arguments, CPU, seeds {', '.join(map(str, seeds))} (runs stop at a 100-episode mean of 500)")
+    ax.set_title(f"{args.title}; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
     ax.title.set_fontsize(9)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
