@@ -2,8 +2,8 @@
 ppo_mujoco_brax.py (torch policy) vs Brax's own JAX PPO (`brax.training.agents.ppo`), side by side
 in one run on the same env, backend and batch. Prints one markdown table with the command and machine.
 
-    python benchmarks/brax.py                                   # ant, spring, 2048 envs
-    python benchmarks/brax.py --env-id inverted_pendulum --iterations 10
+    python benchmarks/brax_ppo.py                                   # ant, spring, 2048 envs
+    python benchmarks/brax_ppo.py --env-id inverted_pendulum --iterations 10
 """
 
 from __future__ import annotations
@@ -75,22 +75,28 @@ def run_ours(bench: BenchArgs) -> float:
 
 
 def run_brax_ppo(bench: BenchArgs) -> float:
-    """Brax's JAX PPO at the same batch: each update collects num_envs x num_steps env steps and
-    takes 4 epochs of `num_minibatches` minibatches. SPS between its first and last progress call
-    (so compilation is left out)."""
+    """Brax's JAX PPO at the same batch and network size (64-64 policy and value, as ours): each
+    update collects num_envs x num_steps env steps and takes 4 epochs of `num_minibatches`
+    minibatches. SPS between its second and third progress calls, so the compilation (after the
+    first) is left out; each of those spans holds `iterations` updates and one 1-env evaluation."""
+    import functools
+
+    from brax.training.agents.ppo import networks as ppo_networks
     from brax.training.agents.ppo import train as ppo
 
     env = brax_envs.get_environment(bench.env_id, backend=bench.backend)
     calls = []
     steps_per_iter = bench.num_envs * bench.num_steps
     ppo.train(
-        environment=env, num_timesteps=steps_per_iter * (bench.iterations + 1), num_evals=2, episode_length=1000,
+        environment=env, num_timesteps=steps_per_iter * bench.iterations * 2, num_evals=3, episode_length=1000,
         num_envs=bench.num_envs, unroll_length=bench.num_steps, batch_size=bench.num_envs // bench.num_minibatches,
         num_minibatches=bench.num_minibatches, num_updates_per_batch=4, learning_rate=3e-4, entropy_cost=0.0,
         discounting=0.97, normalize_observations=True, reward_scaling=1.0, clipping_epsilon=0.3, seed=1,
-        num_eval_envs=16, progress_fn=lambda step, metrics: calls.append((step, time.perf_counter())),
+        num_eval_envs=1, progress_fn=lambda step, metrics: calls.append((step, time.perf_counter())),
+        network_factory=functools.partial(ppo_networks.make_ppo_networks, policy_hidden_layer_sizes=(64, 64),
+                                          value_hidden_layer_sizes=(64, 64)),
     )  # fmt: skip
-    (s0, t0), (s1, t1) = calls[0], calls[-1]
+    (s0, t0), (s1, t1) = calls[1], calls[2]
     return (s1 - s0) / (t1 - t0)
 
 
