@@ -150,9 +150,9 @@ def test_missing_brax_names_the_pip_command(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == "error: this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2"
 
 
-@pytest.mark.slow
+@pytest.mark.learning
 def test_inverted_pendulum_is_learned(in_tmp):
-    """Slow (minutes on 2 CPU cores): the budget below, documented in README."""
+    """About 75 s on 2 CPU cores: the budget below, documented in README."""
     args = B.Args(env_id="inverted_pendulum", num_envs=256, total_timesteps=2_000_000, target_return=900.0,
                   progress_bar=False, eval_episodes=16)  # fmt: skip
     B.train(args)
