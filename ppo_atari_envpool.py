@@ -429,7 +429,7 @@ def train(args: Args) -> Agent:
                 parked[:] = False
             while filled.min() < T + 1:
                 obs, reward, terminated, truncated, info = envs.recv()
-                ids = info["env_id"]
+                ids, done = info["env_id"], terminated | truncated
                 row = filled[ids]
                 if row.max() >= rows:
                     raise RuntimeError("an async env ran more than a rollout ahead of the others")
@@ -438,7 +438,7 @@ def train(args: Args) -> Agent:
                 prev_rows, prev_ids = torch.from_numpy(row[prev] - 1), torch.from_numpy(ids[prev])
                 rewards_buf[prev_rows, prev_ids] = torch.from_numpy(reward[prev]).to(device)
                 terminated_buf[prev_rows, prev_ids] = torch.from_numpy(terminated[prev]).to(device)
-                dones_buf[prev_rows, prev_ids] = torch.from_numpy((terminated | truncated)[prev]).to(device)
+                dones_buf[prev_rows, prev_ids] = torch.from_numpy(done[prev]).to(device)
                 finished_games += game_stats.update(ids, info["reward"], (info["terminated"] == 1) | truncated, info["elapsed_step"])
 
                 obs_t = torch.from_numpy(obs).to(device)
@@ -457,7 +457,7 @@ def train(args: Args) -> Agent:
                 logprobs_buf[row_t, ids_t] = logprob
                 values_buf[row_t, ids_t] = value
                 # an env that has just reported done spends its next step resetting, whatever the action
-                valid_buf[row_t, ids_t] = torch.from_numpy(~(terminated | truncated)).to(device)
+                valid_buf[row_t, ids_t] = torch.from_numpy(~done).to(device)
                 filled[ids] += 1
                 global_step += int(prev.sum())  # steps emulated; the first recv after the reset is none
 

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -20,3 +21,20 @@ def in_tmp(tmp_path, monkeypatch):
     """Run in an empty folder so runs/ is written there."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=None) -> subprocess.CompletedProcess:
+    """Run `python <script>.py <flags>` in `cwd`; with `hide`, as if that package were not installed."""
+    path = os.path.join(ROOT, script + ".py")
+    cmd = [sys.executable, path, *flags]
+    if hide:
+        cmd = [sys.executable, "-c", f"import runpy, sys; sys.modules[{hide!r}] = None; sys.argv = {[path, *flags]!r}; "
+               f"runpy.run_path({path!r}, run_name='__main__')"]  # fmt: skip
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> None:
+    """A failed run that printed exactly one `error: ...` line containing `message`, and no traceback."""
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

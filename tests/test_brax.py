@@ -4,8 +4,6 @@ normaliser, bad input and short real runs."""
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,9 +11,7 @@ import torch
 
 B = pytest.importorskip("ppo_mujoco_brax")
 pytest.importorskip("brax")
-from conftest import ROOT  # noqa: E402
-
-SCRIPT = os.path.join(ROOT, "ppo_mujoco_brax.py")
+from conftest import assert_one_error_line, run_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +104,9 @@ def test_gaussian_logprob_and_entropy():
     assert value.shape == (7,)
 
 
-def run_cli(*flags, cwd, timeout=900):
-    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize("env_id", ["inverted_pendulum", "ant"])
 def test_smoke_run(env_id, tmp_path):
-    result = run_cli("--env-id", env_id, "--num-envs", "32", "--num-steps", "10", "--num-minibatches", "4",
+    result = run_script("ppo_mujoco_brax", "--env-id", env_id, "--num-envs", "32", "--num-steps", "10", "--num-minibatches", "4",
                      "--total-timesteps", "3200", "--eval-episodes", "2", "--no-progress-bar", "--save-model",
                      cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -136,18 +128,14 @@ def test_smoke_run(env_id, tmp_path):
     ],
 )
 def test_bad_flags_give_one_clear_line(flags, message, tmp_path):
-    result = run_cli(*flags, cwd=tmp_path, timeout=120)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert_one_error_line(run_script("ppo_mujoco_brax", *flags, cwd=tmp_path, timeout=120), message)
 
 
 def test_missing_brax_names_the_pip_command(tmp_path):
-    code = (f"import sys; sys.modules['brax'] = None; import runpy; sys.argv = [{SCRIPT!r}]; "
-            f"runpy.run_path({SCRIPT!r}, run_name='__main__')")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "error: this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2"
+    result = run_script("ppo_mujoco_brax", cwd=tmp_path, timeout=120, hide="brax")
+    message = "error: this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2"
+    assert_one_error_line(result, message)
+    assert result.stderr.strip() == message
 
 
 @pytest.mark.learning

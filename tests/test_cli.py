@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ppo_cartpole_gpu as P
-from conftest import ROOT, SCRIPTS
+from conftest import ROOT, SCRIPTS, assert_one_error_line, run_script
 from probes import Probe1
 
 COMMON_TAGS = {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -23,11 +23,6 @@ EXTRA_TAGS = {
     "vpg": {"losses/value_loss", "losses/approx_kl", "losses/explained_variance"},
     "reinforce": set(),
 }
-
-
-def run_cli(script, *flags, cwd, env=None, timeout=240):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script + ".py"), *flags], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def only_run_dir(root) -> str:
@@ -46,7 +41,7 @@ def scalar_tags(run_dir: str) -> set[str]:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_smoke_run_writes_events_summary_video_model_and_wandb(script, tmp_path):
-    result = run_cli(script, "--total-timesteps", "6144", "--num-envs", "64", "--capture-video", "--video-interval",
+    result = run_script(script, "--total-timesteps", "6144", "--num-envs", "64", "--capture-video", "--video-interval",
                      "2", "--save-model", "--track", "--eval-episodes", "3", "--seed", "7", "--target-return", "None",
                      cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -92,24 +87,21 @@ SCRIPT_BAD_FLAGS = [
     [(script, f, m) for script in SCRIPTS for f, m in COMMON_BAD_FLAGS] + SCRIPT_BAD_FLAGS,
 )
 def test_bad_flags_give_one_clear_line(script, flags, message, tmp_path):
-    result = run_cli(script, *flags, cwd=tmp_path, timeout=60)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    result = run_script(script, *flags, cwd=tmp_path, timeout=60)
+    assert_one_error_line(result, message)
     assert not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
-    result = run_cli("ppo_cartpole_gpu", "--device", "cuda", cwd=tmp_path, timeout=60)
+    result = run_script("ppo_cartpole_gpu", "--device", "cuda", cwd=tmp_path, timeout=60)
     assert result.returncode != 0 and result.stderr.strip() == (
         "error: --device cuda was asked for but no CUDA GPU is available; use --device cpu"
     )
 
 
 def test_unknown_flag_is_rejected_without_traceback(tmp_path):
-    result = run_cli("ppo_cartpole_gpu", "--num-env", "3", cwd=tmp_path, timeout=60)
+    result = run_script("ppo_cartpole_gpu", "--num-env", "3", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr and "--num-envs" in result.stderr
 
 
