@@ -11,6 +11,11 @@ import tempfile
 import torch
 
 
+def cores() -> int:
+    """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine(*libraries) -> str:
     """'CPU model, N cores, torch X, lib Y, ..., GPU name' for the table's heading."""
     model = platform.processor() or "unknown CPU"
@@ -19,7 +24,7 @@ def machine(*libraries) -> str:
             model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    parts = [model, f"{len(os.sched_getaffinity(0))} cores", f"torch {torch.__version__}"]
+    parts = [model, f"{cores()} cores", f"torch {torch.__version__}"]
     parts += [f"{lib.__name__} {lib.__version__}" for lib in libraries]
     if torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name()}")

@@ -66,7 +66,7 @@ def main() -> None:
         raise SystemExit(f"error: no runs of {', '.join(missing)} with {args.tag} under {args.runs}")
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for colour, name in zip(("tab:orange", "tab:green", "tab:blue", "tab:red", "tab:purple"), args.exp_names):
-        for i, (seed, steps, values) in enumerate(sorted(curves[name])):
+        for i, (_seed, steps, values) in enumerate(sorted(curves[name])):
             ax.plot(steps, values, color=colour, alpha=0.8, lw=1.2, label=f"{name}.py" if i == 0 else None)
     if args.hline is not None:
         ax.axhline(args.hline, color="grey", ls="--", lw=0.8)
