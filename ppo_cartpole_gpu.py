@@ -2,7 +2,7 @@
 
 The environment, the rollout buffer, GAE, minibatch shuffling and the update all live on one
 device (`--device cuda` when a GPU is there, else the CPU), so a rollout never copies data to the
-host; the only host reads are one per iteration for logging.
+host; the only host read is one per iteration, for logging.
 
 Run:
     python ppo_cartpole_gpu.py                       # defaults: solves CartPole in seconds on a laptop CPU
@@ -26,6 +26,7 @@ CleanRL's scripts do not do.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -33,7 +34,8 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Optional
+from enum import Enum
+from typing import Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -43,32 +45,8 @@ import tyro
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run folder's name)"""
-    seed: int = 1
-    """seed of the networks, the action sampling and the environments"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device to run everything on (cuda when available, else cpu)"""
-    torch_threads: int = 0
-    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "rl-ladder"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None uses your default"""
-    capture_video: bool = False
-    """save a 4x4 grid video of 16 envs from the rollout every `video-interval` iterations"""
-    video_interval: int = 25
-    """iterations between two videos"""
-    save_model: bool = False
-    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
-    eval_episodes: int = 10
-    """greedy-policy episodes evaluated after training (0 skips the evaluation)"""
-    progress_bar: bool = True
-    """show a live progress bar with SPS and the recent return"""
-
-    env_id: str = "CartPole-v1"
+    # Algorithm
+    env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
     """the environment: CartPole-v1, EasyCart-v1 (shaped reward) or SpinCart-v1 (spin the pole)"""
     total_timesteps: int = 5_000_000
     """upper bound on environment steps (training may stop earlier, see `target-return`)"""
@@ -107,13 +85,35 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""
 
-
-SOLVED_RETURN = 475.0
-"""CartPole-v1's reward threshold: summary.json records when the 100-episode mean first reaches it"""
+    # Run management and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the networks, the action sampling and the environments"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device to run everything on (cuda when available, else cpu)"""
+    torch_threads: int = 0
+    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "rl-ladder"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None uses your default"""
+    capture_video: bool = False
+    """save a 4x4 grid video of 16 envs from the rollout every `video-interval` iterations"""
+    video_interval: int = 25
+    """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
+    save_model: bool = False
+    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
+    eval_episodes: int = 10
+    """greedy-policy episodes evaluated after training (0 skips the evaluation)"""
+    progress_bar: bool = True
+    """show a live progress bar with SPS and the recent return"""
 
 
 class UsageError(ValueError):
-    """A bad flag or an impossible combination of flags: reported in one line."""
+    """A bad flag, an impossible combination of flags or a missing package: reported in one line."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -127,7 +127,7 @@ class CartPole:
     """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`.
 
     Interface (every env the trainer takes, probes included, has it):
-      num_envs, obs_dim, num_actions, max_episode_steps, device
+      num_envs, obs_dim, num_actions, max_episode_steps, reward_threshold (None: no "solved" level), device
       reset() -> (obs, info)
       step(actions) -> (obs, reward, terminated, truncated, info)
     Finished envs are reset inside `step`. `info` then holds, per env and valid where
@@ -146,6 +146,7 @@ class CartPole:
     x_threshold = 2.4
     theta_threshold_radians = 12 * 2 * math.pi / 360
     max_episode_steps = 500
+    reward_threshold: Optional[float] = 475.0  # CartPole-v1's "solved" level for the 100-episode mean
     obs_dim = 4
     num_actions = 2
 
@@ -219,6 +220,8 @@ class CartPole:
 class EasyCart(CartPole):
     """Shaped reward in [0, 1]: half for an upright pole, half for a centred cart."""
 
+    reward_threshold = None
+
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         x, theta = self.state[:, 0], self.state[:, 2]
         upright = 1.0 - theta.abs() / self.theta_threshold_radians
@@ -231,6 +234,8 @@ class SpinCart(CartPole):
 
     The pole may turn all the way round: only leaving the track ends an episode.
     """
+
+    reward_threshold = None
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         x, x_dot, theta_dot = self.state[:, 0], self.state[:, 1], self.state[:, 3]
@@ -272,7 +277,12 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
     track = (ys - track_y).abs() <= 0.5
 
     frame = torch.full((s.shape[0], height, width, 3), 255, dtype=torch.uint8, device=s.device)
-    for mask, colour in ((track.expand_as(cart), (0, 0, 0)), (cart, (0, 0, 0)), (pole, (202, 152, 101)), (axle, (129, 132, 203))):
+    for mask, colour in (
+        (track.expand_as(cart), (0, 0, 0)),
+        (cart, (0, 0, 0)),
+        (pole, (202, 152, 101)),
+        (axle, (129, 132, 203)),
+    ):
         frame[mask] = torch.tensor(colour, dtype=torch.uint8, device=s.device)
     return frame.view(*lead, height, width, 3)
 
@@ -289,8 +299,19 @@ def grid_video(obs: torch.Tensor) -> np.ndarray:
     return frames.cpu().numpy()
 
 
+def make_envs(args: Args, device: torch.device, envs=None):
+    """The `--env-id` envs, or the given `envs` (e.g. a probe env) once checked against the flags."""
+    if envs is None:
+        return ENVS[args.env_id](args.num_envs, device, args.seed)
+    if envs.num_envs != args.num_envs:
+        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
+    if args.capture_video and not isinstance(envs, CartPole):
+        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
+    return envs
+
+
 # ----------------------------------------------------------------------------------------------
-# Networks
+# Agent
 # ----------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     """Orthogonal weights, constant bias (detail 2)."""
@@ -299,21 +320,22 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
+def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
+    """A 64-64 tanh network whose output layer starts at scale `out_std`."""
+    return nn.Sequential(
+        layer_init(nn.Linear(in_dim, 64)), nn.Tanh(),
+        layer_init(nn.Linear(64, 64)), nn.Tanh(),
+        layer_init(nn.Linear(64, out_dim), std=out_std),
+    )  # fmt: skip
+
+
 class Agent(nn.Module):
     """Separate 64-64 tanh actor and critic; the actor head starts near uniform (std 0.01)."""
 
     def __init__(self, obs_dim: int, num_actions: int):
         super().__init__()
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 1), std=1.0),
-        )  # fmt: skip
-        self.actor = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, num_actions), std=0.01),
-        )  # fmt: skip
+        self.critic = mlp(obs_dim, 1, out_std=1.0)
+        self.actor = mlp(obs_dim, num_actions, out_std=0.01)
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
@@ -335,6 +357,55 @@ class Agent(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Algorithm
 # ----------------------------------------------------------------------------------------------
+class Rollout(NamedTuple):
+    """T steps of N envs, preallocated on the device (detail 1: one vectorised batch of envs)."""
+
+    obs: torch.Tensor  # (T, N, obs_dim) the observation each action was chosen on
+    actions: torch.Tensor  # (T, N)
+    rewards: torch.Tensor  # (T, N)
+    terminated: torch.Tensor  # (T, N) the episode failed at this step: no future to bootstrap
+    dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
+    final_obs: torch.Tensor  # (T, N, obs_dim) s'_t, the real next state (before any auto-reset)
+    episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
+    episode_length: torch.Tensor  # (T, N)
+
+    @staticmethod
+    def empty(num_steps: int, num_envs: int, obs_dim: int, device: torch.device) -> Rollout:
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
+
+        return Rollout(zeros(obs_dim), zeros(dtype=torch.long), zeros(), zeros(dtype=torch.bool),
+                       zeros(dtype=torch.bool), zeros(obs_dim), zeros(), zeros(dtype=torch.int32))  # fmt: skip
+
+
+class Batch(NamedTuple):
+    """A rollout flattened to T*N samples, with what the loss needs."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor  # log π_old(a|s)
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    values: torch.Tensor  # V_old(s)
+
+
+@torch.no_grad()
+def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """Step every env T times with the current policy, filling `rollout`; return the next observation."""
+    for t in range(len(rollout.obs)):
+        rollout.obs[t] = obs
+        action = agent.get_action(obs)
+        obs, reward, terminated, truncated, info = envs.step(action)
+        rollout.actions[t] = action
+        rollout.rewards[t] = reward
+        rollout.terminated[t] = terminated
+        rollout.dones[t] = terminated | truncated
+        rollout.final_obs[t] = info["final_obs"]
+        rollout.episode_return[t] = info["episode_return"]
+        rollout.episode_length[t] = info["episode_length"]
+    return obs
+
+
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
     """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns).
 
@@ -353,7 +424,7 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, g
 
 
 def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, returns, old_values):
-    """Clipped-surrogate PPO loss for one minibatch; returns (loss, detached statistics)."""
+    """Clipped-surrogate PPO loss for one minibatch; returns (loss, statistics keyed by TensorBoard tag)."""
     newlogprob, entropy, newvalue = agent.evaluate(obs, actions)
     logratio = newlogprob - old_logprobs
     ratio = logratio.exp()
@@ -370,36 +441,286 @@ def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, r
         v_loss = 0.5 * (newvalue - returns).square().mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
-    stats = torch.stack((pg_loss, v_loss, entropy_loss, approx_kl, clipfrac, loss)).detach()
-    return loss, stats
+    stats = {"losses/policy_loss": pg_loss, "losses/value_loss": v_loss, "losses/entropy": entropy_loss,
+             "losses/approx_kl": approx_kl, "losses/clipfrac": clipfrac, "losses/total_loss": loss}  # fmt: skip
+    return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-STAT_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac", "losses/total_loss")
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
+    returns are constant (as in CleanRL), where the ratio means nothing."""
+    var_returns = returns.var()
+    return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
-def evaluate_greedy(agent: Agent, env_cls, num_episodes: int, device: torch.device, seed: int) -> list[float]:
-    """Return of the first episode of each of `num_episodes` envs under the greedy (argmax) policy."""
-    envs = env_cls(num_episodes, device, seed)
-    obs, _ = envs.reset()
-    returns = torch.full((num_episodes,), float("nan"), device=device)
-    with torch.no_grad():
-        for _ in range(envs.max_episode_steps):
-            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs, greedy=True))
-            first = (terminated | truncated) & returns.isnan()
-            returns = torch.where(first, info["episode_return"], returns)
-            if not returns.isnan().any():
+def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), each step with global
+    gradient clipping (detail 11), ending early once the approximate KL exceeds `target-kl`.
+    Returns the mean of each loss statistic and the critic's explained variance."""
+    minibatch_size = len(batch.actions) // args.num_minibatches
+    history = []
+    for _ in range(args.update_epochs):
+        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).split(minibatch_size):
+            loss, stats = ppo_loss(agent, args, *(x[idx] for x in batch))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            history.append(stats)
+        if args.target_kl is not None and stats["losses/approx_kl"] > args.target_kl:  # a host read per epoch
+            break
+    means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
+    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
+
+
+def train(args: Args, envs=None) -> Agent:
+    """Train PPO on `envs` (default: the `--env-id` env) and return the agent.
+
+    Any env with the CartPole interface works, e.g. the probe envs of the tests. `Run` writes the
+    outputs; Ctrl-C (KeyboardInterrupt) and a non-finite loss end the run with everything written.
+    """
+    device = torch.device(args.device)
+    T, N = args.num_steps, args.num_envs
+    num_iterations = args.total_timesteps // (T * N)
+    with Run(args) as run:
+        torch.manual_seed(args.seed)
+        envs = make_envs(args, device, envs)
+        agent = Agent(envs.obs_dim, envs.num_actions).to(device)
+        # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        rollout = Rollout.empty(T, N, envs.obs_dim, device)
+        obs, _ = envs.reset()
+        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N)
+        for iteration in range(1, num_iterations + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            obs = collect_rollout(agent, envs, obs, rollout)
+            b_obs, b_actions = rollout.obs.view(T * N, -1), rollout.actions.view(T * N)
+            with torch.no_grad():  # π_old and V_old in batched passes over the whole rollout
+                b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
+                next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)
+            advantages, returns = compute_gae(rollout.rewards, b_values.view(T, N), next_values, rollout.terminated,
+                                              rollout.dones, args.gamma, args.gae_lambda)  # fmt: skip
+            batch = Batch(b_obs, b_actions, b_logprobs, advantages.view(-1), returns.view(-1), b_values)
+            stats = update(agent, optimizer, batch, args)
+            if run.log(T * N, stats, rollout):  # True once the target return is reached
                 break
-    return returns.tolist()
+    return agent
 
 
-def validate(args: Args, envs=None) -> torch.device:
-    """Reject bad flags with one clear line (raised as UsageError); return the torch device."""
-    positive = ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs", "video_interval")
+# ----------------------------------------------------------------------------------------------
+# Run management: the same code in all five scripts, but for the part marked environment-specific
+# ----------------------------------------------------------------------------------------------
+class Status(str, Enum):
+    COMPLETED = "completed"
+    TARGET_REACHED = "target return reached"
+    INTERRUPTED = "interrupted"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
+
+
+class Run:
+    """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
+    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, the model, the
+    final evaluation, summary.json and Ctrl-C. `train` opens it with `with Run(args) as run:`, calls
+    `run.start(...)` when training begins and `if run.log(...): break` once per iteration. Leaving the block,
+    normally or by an exception, writes everything; the exception then goes on to `main`."""
+
+    def __init__(self, args):
+        self.args = args
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = os.path.join("runs", self.name)
+        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
+        self.iteration = self.global_step = self.episodes = 0
+        self.recent_returns: deque[float] = deque(maxlen=100)
+        self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
+        self.target_reached = False
+
+    def __enter__(self) -> Run:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.created = self.start_time = time.perf_counter()
+        if self.args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(self.args), name=self.name, save_code=True)  # fmt: skip
+        self.writer = SummaryWriter(self.dir)
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        return self
+
+    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
+        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS)."""
+        self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        self.device = next(agent.parameters()).device
+        self.threshold = getattr(envs, "reward_threshold", None)
+        if self.args.progress_bar:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
+        if total_steps < self.args.total_timesteps:
+            self.note(
+                f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
+            )
+        self.total_steps, self.start_time = total_steps, time.perf_counter()
+
+    def note(self, message: str) -> None:
+        """One line to stderr that does not break the progress bar."""
+        (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
+
+    def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
+        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
+        loss; film when due. Returns True once the target return is reached."""
+        self.iteration += 1
+        self.global_step += env_steps
+        ended, returns, lengths = self.finished_episodes(rollout)
+        scalars = torch.stack(list(stats.values())).float()
+        episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
+        host = torch.cat((scalars, episodes.flatten())).cpu().numpy()  # the iteration's one host read
+        values = dict(zip(stats, host[: len(stats)].tolist()))
+        ended, returns, lengths = host[len(stats) :].reshape(3, -1)
+        returns, lengths = returns[ended > 0], lengths[ended > 0]
+        # explained variance is NaN by design when the returns are constant; every loss must be finite
+        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+            raise NonFiniteLossError(f"non-finite loss at iteration {self.iteration} (env step {self.global_step})")
+
+        self.recent_returns.extend(returns.tolist())
+        self.episodes += len(returns)
+        elapsed = time.perf_counter() - self.start_time
+        sps = int(self.global_step / elapsed)
+        full = len(self.recent_returns) == self.recent_returns.maxlen
+        mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
+        if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
+            self.solved_step, self.solved_seconds = self.global_step, elapsed
+
+        if len(returns):
+            self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
+            self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
+        self.writer.add_scalar("charts/learning_rate", self.optimizer.param_groups[0]["lr"], self.global_step)
+        self.writer.add_scalar("charts/SPS", sps, self.global_step)
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, self.global_step)
+        remaining = (self.total_steps - self.global_step) / max(sps, 1)
+        if self.iteration == 3 and remaining > 600:  # long defaults (Atari's 10M steps) should not surprise anyone
+            self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
+                      f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
+        if self.progress is not None:
+            self.progress.update(env_steps)
+            self.progress.set_postfix(SPS=sps, ret="-" if mean_recent is None else f"{mean_recent:.1f}", refresh=False)
+        interval = self.args.video_interval
+        if self.args.capture_video and interval and (self.iteration - 1) % interval == 0:  # iterations 1, 1+k, ...
+            path = self.record_video(rollout, self.iteration)
+            if path is not None and self.wandb is not None:
+                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+        target = self.args.target_return
+        self.target_reached = target is not None and full and mean_recent >= target
+        return self.target_reached
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = Status.INTERRUPTED
+        elif issubclass(exc_type, NonFiniteLossError):
+            status = Status.NON_FINITE_LOSS
+        else:
+            status = Status.ERROR
+        if self.progress is not None:
+            self.progress.total = self.progress.n  # the bar ends where training ended
+            self.progress.close()
+        elapsed = time.perf_counter() - self.start_time
+        summary = {  # the same keys in every script; None where a value does not apply
+            "env_id": self.args.env_id,
+            "exp_name": self.args.exp_name,
+            "seed": self.args.seed,
+            "device": self.args.device,
+            "status": status.value,
+            "total_env_steps": self.global_step,
+            "iterations": self.iteration,
+            "wall_seconds": round(elapsed, 3),
+            "setup_seconds": round(self.start_time - self.created, 3),  # before training: env, compilation
+            "mean_sps": round(self.global_step / elapsed, 1),
+            "episodes": self.episodes,
+            "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
+            "solved_threshold": self.threshold,
+            "solved_at_step": self.solved_step,
+            "solved_at_seconds": self.solved_seconds and round(self.solved_seconds, 3),
+            "eval_returns": None,
+            "eval_mean_return": None,
+            "model_path": None,
+        }
+        if self.agent is not None and status is not Status.NON_FINITE_LOSS:  # NaN weights are not worth keeping
+            if self.args.save_model:
+                summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
+                torch.save(self.agent.state_dict(), summary["model_path"])
+            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED):
+                summary["eval_returns"] = self.evaluate()
+                summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
+                self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
+        summary["args"] = asdict(self.args)
+        with open(os.path.join(self.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        print(self.result_line(summary))  # last, after W&B's own summary
+        return False  # exceptions go on to main
+
+    def result_line(self, s: dict) -> str:
+        mean = s["mean_return_last_100"]
+        line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
+        line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
+        if self.threshold is not None and self.solved_step is None:
+            line += f", did not reach {self.threshold:g}"
+        elif self.threshold is not None:
+            line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
+        if s["eval_mean_return"] is not None:
+            line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
+        return line + f"; outputs in {self.dir}"
+
+    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
+    def finished_episodes(self, rollout: Rollout):
+        """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
+        return rollout.dones, rollout.episode_return, rollout.episode_length
+
+    def evaluate(self) -> list[float]:
+        """Return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy."""
+        n = self.args.eval_episodes
+        envs = type(self.envs)(n, self.device, self.args.seed + 1)
+        obs, _ = envs.reset()
+        returns = torch.full((n,), float("nan"), device=self.device)
+        with torch.no_grad():
+            for _ in range(envs.max_episode_steps):
+                obs, _, terminated, truncated, info = envs.step(self.agent.get_action(obs, greedy=True))
+                returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
+                if not returns.isnan().any():
+                    break
+        return returns.tolist()
+
+    def record_video(self, rollout: Rollout, iteration: int) -> str:
+        """A 4x4 grid video of the first 16 envs of `rollout`; returns its path."""
+        path = os.path.join(self.dir, "videos", f"rollout_iter{iteration:05d}.mp4")
+        write_video(grid_video(rollout.obs), path, fps=50)
+        return path
+
+
+def write_video(frames: np.ndarray, path: str, fps: int) -> None:
+    from moviepy import ImageSequenceClip
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
+
+
+def validate(args: Args) -> torch.device:
+    """Reject bad flags with one clear line (raised as UsageError) before anything is built; return the device."""
+    positive = ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs")
     for name in positive:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.eval_episodes < 0 or args.torch_threads < 0:
-        raise UsageError("--eval-episodes and --torch-threads must be >= 0")
+    if args.eval_episodes < 0 or args.torch_threads < 0 or args.video_interval < 0:
+        raise UsageError("--eval-episodes, --torch-threads and --video-interval must be >= 0")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         raise UsageError(
@@ -419,12 +740,13 @@ def validate(args: Args, envs=None) -> torch.device:
     ):
         if not (ok and math.isfinite(getattr(args, name) or 0.0)):
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    if envs is None and args.env_id not in ENVS:
+    if args.env_id not in ENVS:
         raise UsageError(f"unknown --env-id {args.env_id!r}; choose one of {', '.join(ENVS)}")
-    if envs is not None and envs.num_envs != args.num_envs:
-        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
-    if args.capture_video and envs is not None and not isinstance(envs, CartPole):
-        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
+    return validate_run_flags(args)
+
+
+def validate_run_flags(args) -> torch.device:
+    """The checks of the run-management flags, the same in all five scripts; returns the device."""
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -442,212 +764,42 @@ def validate(args: Args, envs=None) -> torch.device:
     return device
 
 
-def write_video(frames: np.ndarray, path: str, fps: int = 50) -> None:
-    from moviepy import ImageSequenceClip
+def available_cores() -> int:
+    """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
-    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
 
+def parse_args() -> Args:
+    """tyro's command line, with its parse errors turned into one `error: ...` line and exit code 2 like ours."""
+    flags = ["--" + field.replace("_", "-") for field in Args.__dataclass_fields__]
 
-def train(args: Args, envs=None) -> Agent:
-    """Train PPO on `envs` (default: the `--env-id` env) and return the agent.
+    def one_line(event) -> None:  # tyro calls this instead of printing its error box
+        flag = "/".join(event.argument.lowered.name_or_flags) if getattr(event, "argument", None) else "arguments"
+        if hasattr(event, "choices"):
+            raise UsageError(f"unknown {flag} {event.value!r}; choose one of {', '.join(event.choices)}")
+        if hasattr(event, "tokens"):
+            guesses = [g for t in event.tokens for g in difflib.get_close_matches(t.split("=")[0], flags, n=1)]
+            hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
+            raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
+        reason = str(getattr(event, "reason", None) or getattr(event, "message", type(event).__name__))
+        raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
 
-    Any env with the CartPole interface works, e.g. the probe envs of the tests.
-    Writes TensorBoard events and summary.json to runs/<run>; re-raises KeyboardInterrupt after
-    writing everything, and raises NonFiniteLossError when the loss stops being finite.
-    """
-    device = validate(args, envs)
-    if device.type == "cpu":
-        torch.set_num_threads(args.torch_threads or len(os.sched_getaffinity(0)))
-    batch_size = args.num_envs * args.num_steps
-    minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // batch_size
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-            config=asdict(args), name=run_name, save_code=True,
-        )  # fmt: skip
-    writer = SummaryWriter(run_dir)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-
-    torch.manual_seed(args.seed)
-    env_cls = type(envs) if envs is not None else ENVS[args.env_id]
-    if envs is None:
-        envs = env_cls(args.num_envs, device, args.seed)
-    agent = Agent(envs.obs_dim, envs.num_actions).to(device)
-    # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-
-    # rollout storage, preallocated on the device (detail 1: one vectorised batch of envs)
-    T, N = args.num_steps, args.num_envs
-    obs_buf = torch.zeros((T, N, envs.obs_dim), device=device)
-    final_obs_buf = torch.zeros_like(obs_buf)
-    actions_buf = torch.zeros((T, N), dtype=torch.long, device=device)
-    rewards_buf = torch.zeros((T, N), device=device)
-    terminated_buf = torch.zeros((T, N), dtype=torch.bool, device=device)
-    dones_buf = torch.zeros_like(terminated_buf)
-    ep_return_buf = torch.zeros((T, N), device=device)
-    ep_length_buf = torch.zeros((T, N), dtype=torch.int32, device=device)
-
-    recent_returns: deque[float] = deque(maxlen=100)
-    global_step, solved_step, solved_seconds, status = 0, None, None, "error"
-    episodes = 0
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=num_iterations * batch_size, unit="step", unit_scale=True, dynamic_ncols=True)
-    obs, _ = envs.reset()
-    start_time = time.perf_counter()
-    try:
-        for iteration in range(1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-
-            with torch.no_grad():
-                for t in range(T):
-                    obs_buf[t] = obs
-                    action = agent.get_action(obs)
-                    obs, reward, terminated, truncated, info = envs.step(action)
-                    actions_buf[t] = action
-                    rewards_buf[t] = reward
-                    terminated_buf[t] = terminated
-                    dones_buf[t] = terminated | truncated
-                    final_obs_buf[t] = info["final_obs"]
-                    ep_return_buf[t] = info["episode_return"]
-                    ep_length_buf[t] = info["episode_length"]
-                global_step += batch_size
-
-                # old log-probs, values and bootstrap values in batched passes over the whole rollout
-                b_obs = obs_buf.view(batch_size, -1)
-                b_actions = actions_buf.view(batch_size)
-                b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
-                next_values = agent.get_value(final_obs_buf.view(batch_size, -1)).view(T, N)
-                advantages, returns = compute_gae(
-                    rewards_buf, b_values.view(T, N), next_values, terminated_buf, dones_buf, args.gamma, args.gae_lambda
-                )
-            b_advantages, b_returns = advantages.view(-1), returns.view(-1)
-
-            stats = torch.zeros(len(STAT_NAMES), device=device)
-            updates = 0
-            for _ in range(args.update_epochs):
-                perm = torch.randperm(batch_size, device=device)  # shuffled on the device
-                for start in range(0, batch_size, minibatch_size):
-                    mb = perm[start : start + minibatch_size]
-                    loss, mb_stats = ppo_loss(
-                        agent, args, b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb], b_values[mb]
-                    )
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    stats += mb_stats
-                    epoch_kl = mb_stats[3]
-                    updates += 1
-                if args.target_kl is not None and epoch_kl.item() > args.target_kl:
-                    break
-
-            # the host reads of the iteration, for logging: losses and the finished episodes
-            explained_var = 1 - (b_returns - b_values).var() / b_returns.var()
-            *stats, explained_var = torch.cat((stats / updates, explained_var.view(1))).tolist()
-            if not all(math.isfinite(v) for v in stats):
-                status = "non-finite loss"
-                raise NonFiniteLossError(f"non-finite loss at iteration {iteration} (env step {global_step})")
-            finished = torch.stack((ep_return_buf, ep_length_buf.float()), dim=-1)[dones_buf].tolist()
-            done_returns = [r for r, _ in finished]
-            done_lengths = [l for _, l in finished]
-            recent_returns.extend(done_returns)
-            episodes += len(done_returns)
-            elapsed = time.perf_counter() - start_time
-            sps = int(global_step / elapsed)
-            mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
-            if solved_step is None and len(recent_returns) == 100 and mean_recent >= SOLVED_RETURN:
-                solved_step, solved_seconds = global_step, elapsed
-
-            if done_returns:
-                writer.add_scalar("charts/episodic_return", float(np.mean(done_returns)), global_step)
-                writer.add_scalar("charts/episodic_length", float(np.mean(done_lengths)), global_step)
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            for name, value in zip(STAT_NAMES, stats):
-                writer.add_scalar(name, value, global_step)
-            writer.add_scalar("losses/explained_variance", explained_var, global_step)
-            if progress is not None:
-                progress.update(batch_size)
-                progress.set_postfix(SPS=sps, ret=f"{mean_recent:.1f}", refresh=False)
-
-            if args.capture_video and (iteration - 1) % args.video_interval == 0:
-                os.makedirs(os.path.join(run_dir, "videos"), exist_ok=True)
-                video_path = os.path.join(run_dir, "videos", f"rollout_iter{iteration:05d}.mp4")
-                write_video(grid_video(obs_buf), video_path)
-                if args.track:
-                    wandb.log({"videos/rollout": wandb.Video(video_path, format="mp4")})
-
-            if args.target_return is not None and len(recent_returns) == 100 and mean_recent >= args.target_return:
-                status = "target return reached"
-                break
-        else:
-            status = "completed"
-    except KeyboardInterrupt:
-        status = "interrupted"
-    finally:
-        if progress is not None:
-            progress.close()
-        elapsed = time.perf_counter() - start_time
-        summary = {
-            "env_id": args.env_id,
-            "exp_name": args.exp_name,
-            "seed": args.seed,
-            "device": str(device),
-            "status": status,
-            "total_env_steps": global_step,
-            "wall_seconds": round(elapsed, 3),
-            "mean_sps": round(global_step / elapsed, 1) if elapsed > 0 else 0.0,
-            "episodes": episodes,
-            "mean_return_last_100": float(np.mean(recent_returns)) if recent_returns else None,
-            "solved_threshold": SOLVED_RETURN,
-            "solved_at_step": solved_step,
-            "solved_at_seconds": None if solved_seconds is None else round(solved_seconds, 3),
-        }
-        if status != "non-finite loss":  # NaN weights are not worth saving
-            if args.save_model:
-                model_path = os.path.join(run_dir, f"{args.exp_name}.cleanrl_model")
-                torch.save(agent.state_dict(), model_path)
-                summary["model_path"] = model_path
-            if args.eval_episodes and status in ("completed", "target return reached"):
-                eval_returns = evaluate_greedy(agent, env_cls, args.eval_episodes, device, args.seed + 1)
-                summary["eval_returns"] = eval_returns
-                summary["eval_mean_return"] = float(np.mean(eval_returns))
-                writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], global_step)
-        summary["args"] = asdict(args)
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        solved = "never" if solved_step is None else f"at step {solved_step:,} ({solved_seconds:.2f} s)"
-        print(
-            f"{status}: {global_step:,} steps in {elapsed:.1f} s ({summary['mean_sps']:,.0f} SPS); "
-            f"mean return of the last 100 episodes {summary['mean_return_last_100']}, reached {SOLVED_RETURN:g} {solved}; "
-            f"greedy evaluation {summary.get('eval_mean_return', 'skipped')}; outputs in {run_dir}"
-        )
-        writer.close()
-        if args.track:
-            wandb.finish()
-    if status == "interrupted":
-        raise KeyboardInterrupt
-    return agent
+    with tyro._errors.on_parse_error(one_line):
+        return tyro.cli(Args)
 
 
 def main() -> None:
-    args = tyro.cli(Args)
     try:
+        args = parse_args()
+        device = validate(args)
+        if device.type == "cpu":  # process-wide, so set here rather than inside train()
+            torch.set_num_threads(args.torch_threads or available_cores())
         train(args)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except KeyboardInterrupt:

@@ -16,14 +16,17 @@ where Ĝ is G normalised to zero mean and unit std over the batch (`--normalize-
 crude baseline that vpg.py replaces with a learned one.
 
 A return needs the rest of its episode. Every rollout therefore starts with a reset of all envs
-and runs until each env has finished at least one episode (or `--num-steps` steps, which by
-default is the 500-step limit, so that always happens). Steps after an env's last finished
-episode have no complete return: they are dropped from the loss. There is no critic to bootstrap
-with, so an episode cut at 500 steps counts with the return it has.
+and runs until each env has finished an episode (or `--num-steps` steps, which by default is the
+500-step limit, so that always happens). The batch is each env's first episode of the rollout:
+an unbiased sample of the policy's episodes. (Also keeping the later episodes that happen to end
+before the slowest env's first one would favour short episodes.) There is no critic to bootstrap
+with, so an episode cut at 500 steps counts with the return it has. Comments marked "detail N"
+refer to Huang et al. 2022's PPO implementation details, as in ppo_cartpole_gpu.py.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -31,7 +34,8 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Optional
+from enum import Enum
+from typing import Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -41,32 +45,8 @@ import tyro
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run folder's name)"""
-    seed: int = 1
-    """seed of the networks, the action sampling and the environments"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device to run everything on (cuda when available, else cpu)"""
-    torch_threads: int = 0
-    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "rl-ladder"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None uses your default"""
-    capture_video: bool = False
-    """save a 4x4 grid video of 16 envs from the rollout every `video-interval` iterations"""
-    video_interval: int = 25
-    """iterations between two videos"""
-    save_model: bool = False
-    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
-    eval_episodes: int = 10
-    """greedy-policy episodes evaluated after training (0 skips the evaluation)"""
-    progress_bar: bool = True
-    """show a live progress bar with SPS and the recent return"""
-
-    env_id: str = "CartPole-v1"
+    # Algorithm
+    env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
     """the environment: CartPole-v1, EasyCart-v1 (shaped reward) or SpinCart-v1 (spin the pole)"""
     total_timesteps: int = 5_000_000
     """upper bound on environment steps (training may stop earlier, see `target-return`)"""
@@ -91,13 +71,35 @@ class Args:
     max_grad_norm: float = 0.5
     """global gradient-norm clipping"""
 
-
-SOLVED_RETURN = 475.0
-"""CartPole-v1's reward threshold: summary.json records when the 100-episode mean first reaches it"""
+    # Run management and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the networks, the action sampling and the environments"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device to run everything on (cuda when available, else cpu)"""
+    torch_threads: int = 0
+    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "rl-ladder"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None uses your default"""
+    capture_video: bool = False
+    """save a 4x4 grid video of 16 envs from the rollout every `video-interval` iterations"""
+    video_interval: int = 25
+    """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
+    save_model: bool = False
+    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
+    eval_episodes: int = 10
+    """greedy-policy episodes evaluated after training (0 skips the evaluation)"""
+    progress_bar: bool = True
+    """show a live progress bar with SPS and the recent return"""
 
 
 class UsageError(ValueError):
-    """A bad flag or an impossible combination of flags: reported in one line."""
+    """A bad flag, an impossible combination of flags or a missing package: reported in one line."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -111,7 +113,7 @@ class CartPole:
     """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`.
 
     Interface (every env the trainer takes, probes included, has it):
-      num_envs, obs_dim, num_actions, max_episode_steps, device
+      num_envs, obs_dim, num_actions, max_episode_steps, reward_threshold (None: no "solved" level), device
       reset() -> (obs, info)
       step(actions) -> (obs, reward, terminated, truncated, info)
     Finished envs are reset inside `step`. `info` then holds, per env and valid where
@@ -130,6 +132,7 @@ class CartPole:
     x_threshold = 2.4
     theta_threshold_radians = 12 * 2 * math.pi / 360
     max_episode_steps = 500
+    reward_threshold: Optional[float] = 475.0  # CartPole-v1's "solved" level for the 100-episode mean
     obs_dim = 4
     num_actions = 2
 
@@ -203,6 +206,8 @@ class CartPole:
 class EasyCart(CartPole):
     """Shaped reward in [0, 1]: half for an upright pole, half for a centred cart."""
 
+    reward_threshold = None
+
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         x, theta = self.state[:, 0], self.state[:, 2]
         upright = 1.0 - theta.abs() / self.theta_threshold_radians
@@ -215,6 +220,8 @@ class SpinCart(CartPole):
 
     The pole may turn all the way round: only leaving the track ends an episode.
     """
+
+    reward_threshold = None
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         x, x_dot, theta_dot = self.state[:, 0], self.state[:, 1], self.state[:, 3]
@@ -256,7 +263,12 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
     track = (ys - track_y).abs() <= 0.5
 
     frame = torch.full((s.shape[0], height, width, 3), 255, dtype=torch.uint8, device=s.device)
-    for mask, colour in ((track.expand_as(cart), (0, 0, 0)), (cart, (0, 0, 0)), (pole, (202, 152, 101)), (axle, (129, 132, 203))):
+    for mask, colour in (
+        (track.expand_as(cart), (0, 0, 0)),
+        (cart, (0, 0, 0)),
+        (pole, (202, 152, 101)),
+        (axle, (129, 132, 203)),
+    ):
         frame[mask] = torch.tensor(colour, dtype=torch.uint8, device=s.device)
     return frame.view(*lead, height, width, 3)
 
@@ -273,14 +285,34 @@ def grid_video(obs: torch.Tensor) -> np.ndarray:
     return frames.cpu().numpy()
 
 
+def make_envs(args: Args, device: torch.device, envs=None):
+    """The `--env-id` envs, or the given `envs` (e.g. a probe env) once checked against the flags."""
+    if envs is None:
+        return ENVS[args.env_id](args.num_envs, device, args.seed)
+    if envs.num_envs != args.num_envs:
+        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
+    if args.capture_video and not isinstance(envs, CartPole):
+        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
+    return envs
+
+
 # ----------------------------------------------------------------------------------------------
-# Networks
+# Agent
 # ----------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
-    """Orthogonal weights, constant bias (PPO implementation detail 2)."""
+    """Orthogonal weights, constant bias (detail 2)."""
     nn.init.orthogonal_(layer.weight, std)
     nn.init.constant_(layer.bias, bias_const)
     return layer
+
+
+def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
+    """A 64-64 tanh network whose output layer starts at scale `out_std`."""
+    return nn.Sequential(
+        layer_init(nn.Linear(in_dim, 64)), nn.Tanh(),
+        layer_init(nn.Linear(64, 64)), nn.Tanh(),
+        layer_init(nn.Linear(64, out_dim), std=out_std),
+    )  # fmt: skip
 
 
 class Agent(nn.Module):
@@ -288,11 +320,7 @@ class Agent(nn.Module):
 
     def __init__(self, obs_dim: int, num_actions: int):
         super().__init__()
-        self.actor = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, num_actions), std=0.01),
-        )  # fmt: skip
+        self.actor = mlp(obs_dim, num_actions, out_std=0.01)
 
     def get_action(self, obs: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         logits = self.actor(obs)
@@ -311,6 +339,56 @@ class Agent(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Algorithm
 # ----------------------------------------------------------------------------------------------
+class Rollout(NamedTuple):
+    """Up to T steps of N envs, preallocated on the device; a rollout fills the first rows (see `collect_rollout`)."""
+
+    obs: torch.Tensor  # (T, N, obs_dim) the observation each action was chosen on
+    actions: torch.Tensor  # (T, N)
+    rewards: torch.Tensor  # (T, N)
+    dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
+    episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
+    episode_length: torch.Tensor  # (T, N)
+
+    @staticmethod
+    def empty(num_steps: int, num_envs: int, obs_dim: int, device: torch.device) -> Rollout:
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
+
+        return Rollout(
+            zeros(obs_dim), zeros(dtype=torch.long), zeros(), zeros(dtype=torch.bool), zeros(), zeros(dtype=torch.int32)
+        )
+
+
+class Batch(NamedTuple):
+    """The transitions of each env's first episode in a rollout, with what the loss needs."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    returns: torch.Tensor  # G_t
+
+
+@torch.no_grad()
+def collect_rollout(agent: Agent, envs, rollout: Rollout) -> int:
+    """Reset every env, then step them all until each has finished an episode (at most T steps),
+    filling the first rows of `rollout`; return the number of steps taken."""
+    obs, _ = envs.reset()  # fresh episodes: each env's first one is complete within the rollout
+    finished = torch.zeros(envs.num_envs, dtype=torch.bool, device=obs.device)
+    for t in range(len(rollout.obs)):
+        rollout.obs[t] = obs
+        action = agent.get_action(obs)
+        obs, reward, terminated, truncated, info = envs.step(action)
+        rollout.actions[t] = action
+        rollout.rewards[t] = reward
+        rollout.dones[t] = terminated | truncated
+        rollout.episode_return[t] = info["episode_return"]
+        rollout.episode_length[t] = info["episode_length"]
+        finished |= rollout.dones[t]
+        # a host read every 10 steps, not every step: on a GPU each read waits for the device
+        if t % 10 == 9 and finished.all():
+            break
+    return t + 1
+
+
 def compute_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: float) -> torch.Tensor:
     """Discounted reward-to-go over a (T, N) rollout: G_t = r_t + gamma * G_{t+1} * (1 - done_t).
 
@@ -324,44 +402,278 @@ def compute_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: float) ->
     return returns
 
 
+def first_episodes(dones: torch.Tensor) -> torch.Tensor:
+    """(T, N) mask of the steps of each env's first episode in a rollout that starts with a reset, its last
+    step included: the steps no episode end precedes. An env that finished no episode (possible only with
+    `num-steps` below a custom env's episode limit) has no complete return: none of its steps are in it."""
+    return (dones.cumsum(0) - dones.int() == 0) & dones.any(0)
+
+
 def reinforce_loss(agent: Agent, args: Args, obs, actions, returns):
-    """REINFORCE loss -mean(log pi(a|s) * G) over complete episodes; returns (loss, detached statistics)."""
+    """REINFORCE loss -mean(log pi(a|s) * G) over complete episodes; returns (loss, stats keyed by TensorBoard tag)."""
     logprob, entropy = agent.evaluate(obs, actions)
     if args.normalize_returns:  # population std: a batch of one return normalises to 0, not NaN
         returns = (returns - returns.mean()) / (returns.std(correction=0) + 1e-8)
     pg_loss = -(logprob * returns).mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss
-    stats = torch.stack((pg_loss, entropy_loss, loss)).detach()
-    return loss, stats
+    stats = {"losses/policy_loss": pg_loss, "losses/entropy": entropy_loss, "losses/total_loss": loss}
+    return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-STAT_NAMES = ("losses/policy_loss", "losses/entropy", "losses/total_loss")
+def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """One gradient step on the whole batch with global gradient clipping (detail 11); returns the loss statistics."""
+    loss, stats = reinforce_loss(agent, args, batch.obs, batch.actions, batch.returns)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return stats
 
 
-def evaluate_greedy(agent: Agent, env_cls, num_episodes: int, device: torch.device, seed: int) -> list[float]:
-    """Return of the first episode of each of `num_episodes` envs under the greedy (argmax) policy."""
-    envs = env_cls(num_episodes, device, seed)
-    obs, _ = envs.reset()
-    returns = torch.full((num_episodes,), float("nan"), device=device)
-    with torch.no_grad():
-        for _ in range(envs.max_episode_steps):
-            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs, greedy=True))
-            first = (terminated | truncated) & returns.isnan()
-            returns = torch.where(first, info["episode_return"], returns)
-            if not returns.isnan().any():
+def train(args: Args, envs=None) -> Agent:
+    """Train REINFORCE on `envs` (default: the `--env-id` env) and return the agent.
+
+    Any env with the CartPole interface works, e.g. the probe envs of the tests. `Run` writes the
+    outputs; Ctrl-C (KeyboardInterrupt) and a non-finite loss end the run with everything written.
+    """
+    device = torch.device(args.device)
+    with Run(args) as run:
+        torch.manual_seed(args.seed)
+        envs = make_envs(args, device, envs)
+        agent = Agent(envs.obs_dim, envs.num_actions).to(device)
+        # the fused kernel is ~3x faster than the per-tensor loop on a small net
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        storage = Rollout.empty(args.num_steps, args.num_envs, envs.obs_dim, device)
+        run.start(agent, envs, optimizer, total_steps=args.total_timesteps)
+        while run.global_step < args.total_timesteps:
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = (1.0 - run.global_step / args.total_timesteps) * args.learning_rate
+            steps = collect_rollout(agent, envs, storage)
+            rollout = Rollout(*(x[:steps] for x in storage))
+            # each env's first episode only: an unbiased sample of the policy's episodes (see the module docstring)
+            first = first_episodes(rollout.dones)
+            returns = compute_returns(rollout.rewards, rollout.dones, args.gamma)
+            stats = update(agent, optimizer, Batch(rollout.obs[first], rollout.actions[first], returns[first]), args)
+            # log the same episodes (Run counts those that end where `dones` is set); every simulated step counts
+            if run.log(steps * args.num_envs, stats, rollout._replace(dones=rollout.dones & first)):
                 break
-    return returns.tolist()
+    return agent
 
 
-def validate(args: Args, envs=None) -> torch.device:
-    """Reject bad flags with one clear line (raised as UsageError); return the torch device."""
-    positive = ("num_envs", "num_steps", "total_timesteps", "video_interval")
+# ----------------------------------------------------------------------------------------------
+# Run management: the same code in all five scripts, but for the part marked environment-specific
+# ----------------------------------------------------------------------------------------------
+class Status(str, Enum):
+    COMPLETED = "completed"
+    TARGET_REACHED = "target return reached"
+    INTERRUPTED = "interrupted"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
+
+
+class Run:
+    """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
+    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, the model, the
+    final evaluation, summary.json and Ctrl-C. `train` opens it with `with Run(args) as run:`, calls
+    `run.start(...)` when training begins and `if run.log(...): break` once per iteration. Leaving the block,
+    normally or by an exception, writes everything; the exception then goes on to `main`."""
+
+    def __init__(self, args):
+        self.args = args
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = os.path.join("runs", self.name)
+        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
+        self.iteration = self.global_step = self.episodes = 0
+        self.recent_returns: deque[float] = deque(maxlen=100)
+        self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
+        self.target_reached = False
+
+    def __enter__(self) -> Run:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.created = self.start_time = time.perf_counter()
+        if self.args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(self.args), name=self.name, save_code=True)  # fmt: skip
+        self.writer = SummaryWriter(self.dir)
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        return self
+
+    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
+        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS)."""
+        self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        self.device = next(agent.parameters()).device
+        self.threshold = getattr(envs, "reward_threshold", None)
+        if self.args.progress_bar:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
+        if total_steps < self.args.total_timesteps:
+            self.note(
+                f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
+            )
+        self.total_steps, self.start_time = total_steps, time.perf_counter()
+
+    def note(self, message: str) -> None:
+        """One line to stderr that does not break the progress bar."""
+        (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
+
+    def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
+        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
+        loss; film when due. Returns True once the target return is reached."""
+        self.iteration += 1
+        self.global_step += env_steps
+        ended, returns, lengths = self.finished_episodes(rollout)
+        scalars = torch.stack(list(stats.values())).float()
+        episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
+        host = torch.cat((scalars, episodes.flatten())).cpu().numpy()  # the iteration's one host read
+        values = dict(zip(stats, host[: len(stats)].tolist()))
+        ended, returns, lengths = host[len(stats) :].reshape(3, -1)
+        returns, lengths = returns[ended > 0], lengths[ended > 0]
+        # explained variance is NaN by design when the returns are constant; every loss must be finite
+        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+            raise NonFiniteLossError(f"non-finite loss at iteration {self.iteration} (env step {self.global_step})")
+
+        self.recent_returns.extend(returns.tolist())
+        self.episodes += len(returns)
+        elapsed = time.perf_counter() - self.start_time
+        sps = int(self.global_step / elapsed)
+        full = len(self.recent_returns) == self.recent_returns.maxlen
+        mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
+        if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
+            self.solved_step, self.solved_seconds = self.global_step, elapsed
+
+        if len(returns):
+            self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
+            self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
+        self.writer.add_scalar("charts/learning_rate", self.optimizer.param_groups[0]["lr"], self.global_step)
+        self.writer.add_scalar("charts/SPS", sps, self.global_step)
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, self.global_step)
+        remaining = (self.total_steps - self.global_step) / max(sps, 1)
+        if self.iteration == 3 and remaining > 600:  # long defaults (Atari's 10M steps) should not surprise anyone
+            self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
+                      f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
+        if self.progress is not None:
+            self.progress.update(env_steps)
+            self.progress.set_postfix(SPS=sps, ret="-" if mean_recent is None else f"{mean_recent:.1f}", refresh=False)
+        interval = self.args.video_interval
+        if self.args.capture_video and interval and (self.iteration - 1) % interval == 0:  # iterations 1, 1+k, ...
+            path = self.record_video(rollout, self.iteration)
+            if path is not None and self.wandb is not None:
+                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+        target = self.args.target_return
+        self.target_reached = target is not None and full and mean_recent >= target
+        return self.target_reached
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = Status.INTERRUPTED
+        elif issubclass(exc_type, NonFiniteLossError):
+            status = Status.NON_FINITE_LOSS
+        else:
+            status = Status.ERROR
+        if self.progress is not None:
+            self.progress.total = self.progress.n  # the bar ends where training ended
+            self.progress.close()
+        elapsed = time.perf_counter() - self.start_time
+        summary = {  # the same keys in every script; None where a value does not apply
+            "env_id": self.args.env_id,
+            "exp_name": self.args.exp_name,
+            "seed": self.args.seed,
+            "device": self.args.device,
+            "status": status.value,
+            "total_env_steps": self.global_step,
+            "iterations": self.iteration,
+            "wall_seconds": round(elapsed, 3),
+            "setup_seconds": round(self.start_time - self.created, 3),  # before training: env, compilation
+            "mean_sps": round(self.global_step / elapsed, 1),
+            "episodes": self.episodes,
+            "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
+            "solved_threshold": self.threshold,
+            "solved_at_step": self.solved_step,
+            "solved_at_seconds": self.solved_seconds and round(self.solved_seconds, 3),
+            "eval_returns": None,
+            "eval_mean_return": None,
+            "model_path": None,
+        }
+        if self.agent is not None and status is not Status.NON_FINITE_LOSS:  # NaN weights are not worth keeping
+            if self.args.save_model:
+                summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
+                torch.save(self.agent.state_dict(), summary["model_path"])
+            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED):
+                summary["eval_returns"] = self.evaluate()
+                summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
+                self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
+        summary["args"] = asdict(self.args)
+        with open(os.path.join(self.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        print(self.result_line(summary))  # last, after W&B's own summary
+        return False  # exceptions go on to main
+
+    def result_line(self, s: dict) -> str:
+        mean = s["mean_return_last_100"]
+        line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
+        line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
+        if self.threshold is not None and self.solved_step is None:
+            line += f", did not reach {self.threshold:g}"
+        elif self.threshold is not None:
+            line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
+        if s["eval_mean_return"] is not None:
+            line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
+        return line + f"; outputs in {self.dir}"
+
+    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
+    def finished_episodes(self, rollout: Rollout):
+        """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
+        return rollout.dones, rollout.episode_return, rollout.episode_length
+
+    def evaluate(self) -> list[float]:
+        """Return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy."""
+        n = self.args.eval_episodes
+        envs = type(self.envs)(n, self.device, self.args.seed + 1)
+        obs, _ = envs.reset()
+        returns = torch.full((n,), float("nan"), device=self.device)
+        with torch.no_grad():
+            for _ in range(envs.max_episode_steps):
+                obs, _, terminated, truncated, info = envs.step(self.agent.get_action(obs, greedy=True))
+                returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
+                if not returns.isnan().any():
+                    break
+        return returns.tolist()
+
+    def record_video(self, rollout: Rollout, iteration: int) -> str:
+        """A 4x4 grid video of the first 16 envs of `rollout`; returns its path."""
+        path = os.path.join(self.dir, "videos", f"rollout_iter{iteration:05d}.mp4")
+        write_video(grid_video(rollout.obs), path, fps=50)
+        return path
+
+
+def write_video(frames: np.ndarray, path: str, fps: int) -> None:
+    from moviepy import ImageSequenceClip
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
+
+
+def validate(args: Args) -> torch.device:
+    """Reject bad flags with one clear line (raised as UsageError) before anything is built; return the device."""
+    positive = ("num_envs", "num_steps", "total_timesteps")
     for name in positive:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.eval_episodes < 0 or args.torch_threads < 0:
-        raise UsageError("--eval-episodes and --torch-threads must be >= 0")
+    if args.eval_episodes < 0 or args.torch_threads < 0 or args.video_interval < 0:
+        raise UsageError("--eval-episodes, --torch-threads and --video-interval must be >= 0")
     for name, ok, rule in (
         ("learning_rate", args.learning_rate > 0, "> 0"),
         ("gamma", 0 < args.gamma <= 1, "in (0, 1]"),
@@ -370,18 +682,18 @@ def validate(args: Args, envs=None) -> torch.device:
     ):
         if not (ok and math.isfinite(getattr(args, name) or 0.0)):
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    if envs is None and args.env_id not in ENVS:
+    if args.env_id not in ENVS:
         raise UsageError(f"unknown --env-id {args.env_id!r}; choose one of {', '.join(ENVS)}")
-    env_cls = type(envs) if envs is not None else ENVS[args.env_id]
-    if args.num_steps < env_cls.max_episode_steps:
+    if args.num_steps < ENVS[args.env_id].max_episode_steps:
         raise UsageError(
-            f"--num-steps {args.num_steps} is below the episode limit {env_cls.max_episode_steps}: "
+            f"--num-steps {args.num_steps} is below the episode limit {ENVS[args.env_id].max_episode_steps}: "
             "a rollout must be able to hold a whole episode"
         )
-    if envs is not None and envs.num_envs != args.num_envs:
-        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
-    if args.capture_video and envs is not None and not isinstance(envs, CartPole):
-        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
+    return validate_run_flags(args)
+
+
+def validate_run_flags(args) -> torch.device:
+    """The checks of the run-management flags, the same in all five scripts; returns the device."""
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -399,193 +711,42 @@ def validate(args: Args, envs=None) -> torch.device:
     return device
 
 
-def write_video(frames: np.ndarray, path: str, fps: int = 50) -> None:
-    from moviepy import ImageSequenceClip
+def available_cores() -> int:
+    """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
-    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
 
+def parse_args() -> Args:
+    """tyro's command line, with its parse errors turned into one `error: ...` line and exit code 2 like ours."""
+    flags = ["--" + field.replace("_", "-") for field in Args.__dataclass_fields__]
 
-def train(args: Args, envs=None) -> Agent:
-    """Train REINFORCE on `envs` (default: the `--env-id` env) and return the agent.
+    def one_line(event) -> None:  # tyro calls this instead of printing its error box
+        flag = "/".join(event.argument.lowered.name_or_flags) if getattr(event, "argument", None) else "arguments"
+        if hasattr(event, "choices"):
+            raise UsageError(f"unknown {flag} {event.value!r}; choose one of {', '.join(event.choices)}")
+        if hasattr(event, "tokens"):
+            guesses = [g for t in event.tokens for g in difflib.get_close_matches(t.split("=")[0], flags, n=1)]
+            hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
+            raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
+        reason = str(getattr(event, "reason", None) or getattr(event, "message", type(event).__name__))
+        raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
 
-    Any env with the CartPole interface works, e.g. the probe envs of the tests.
-    Writes TensorBoard events and summary.json to runs/<run>; re-raises KeyboardInterrupt after
-    writing everything, and raises NonFiniteLossError when the loss stops being finite.
-    """
-    device = validate(args, envs)
-    if device.type == "cpu":
-        torch.set_num_threads(args.torch_threads or len(os.sched_getaffinity(0)))
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-            config=asdict(args), name=run_name, save_code=True,
-        )  # fmt: skip
-    writer = SummaryWriter(run_dir)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-
-    torch.manual_seed(args.seed)
-    env_cls = type(envs) if envs is not None else ENVS[args.env_id]
-    if envs is None:
-        envs = env_cls(args.num_envs, device, args.seed)
-    agent = Agent(envs.obs_dim, envs.num_actions).to(device)
-    # the fused kernel is ~3x faster than the per-tensor loop on a small net
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-
-    # rollout storage, preallocated on the device
-    T, N = args.num_steps, args.num_envs
-    obs_buf = torch.zeros((T, N, envs.obs_dim), device=device)
-    actions_buf = torch.zeros((T, N), dtype=torch.long, device=device)
-    rewards_buf = torch.zeros((T, N), device=device)
-    dones_buf = torch.zeros((T, N), dtype=torch.bool, device=device)
-    ep_return_buf = torch.zeros((T, N), device=device)
-    ep_length_buf = torch.zeros((T, N), dtype=torch.int32, device=device)
-
-    recent_returns: deque[float] = deque(maxlen=100)
-    global_step, solved_step, solved_seconds, status = 0, None, None, "error"
-    episodes = 0
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=args.total_timesteps, unit="step", unit_scale=True, dynamic_ncols=True)
-    start_time = time.perf_counter()
-    iteration = 0
-    try:
-        while global_step < args.total_timesteps:
-            iteration += 1
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - global_step / args.total_timesteps) * args.learning_rate
-
-            with torch.no_grad():
-                obs, _ = envs.reset()  # fresh episodes: each one's return is complete within the rollout
-                finished = torch.zeros(N, dtype=torch.bool, device=device)
-                for t in range(T):
-                    obs_buf[t] = obs
-                    action = agent.get_action(obs)
-                    obs, reward, terminated, truncated, info = envs.step(action)
-                    actions_buf[t] = action
-                    rewards_buf[t] = reward
-                    dones_buf[t] = terminated | truncated
-                    ep_return_buf[t] = info["episode_return"]
-                    ep_length_buf[t] = info["episode_length"]
-                    finished |= dones_buf[t]
-                    # a host read every 10 steps, not every step: on a GPU each read waits for the device
-                    if t % 10 == 9 and finished.all():
-                        break
-                steps = t + 1
-                global_step += steps * N
-
-                returns = compute_returns(rewards_buf[:steps], dones_buf[:steps], args.gamma)
-                # a step has a complete return if its env finishes an episode at or after it
-                complete = dones_buf[:steps].flip(0).cumsum(0).flip(0) > 0
-            loss, stats = reinforce_loss(
-                agent, args, obs_buf[:steps][complete], actions_buf[:steps][complete], returns[complete]
-            )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
-
-            # the host reads of the iteration, for logging: losses and the finished episodes
-            stats = stats.tolist()
-            if not all(math.isfinite(v) for v in stats):
-                status = "non-finite loss"
-                raise NonFiniteLossError(f"non-finite loss at iteration {iteration} (env step {global_step})")
-            episodes_done = torch.stack((ep_return_buf[:steps], ep_length_buf[:steps].float()), dim=-1)[dones_buf[:steps]]
-            done_returns = [r for r, _ in episodes_done.tolist()]
-            done_lengths = [l for _, l in episodes_done.tolist()]
-            recent_returns.extend(done_returns)
-            episodes += len(done_returns)
-            elapsed = time.perf_counter() - start_time
-            sps = int(global_step / elapsed)
-            mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
-            if solved_step is None and len(recent_returns) == 100 and mean_recent >= SOLVED_RETURN:
-                solved_step, solved_seconds = global_step, elapsed
-
-            if done_returns:
-                writer.add_scalar("charts/episodic_return", float(np.mean(done_returns)), global_step)
-                writer.add_scalar("charts/episodic_length", float(np.mean(done_lengths)), global_step)
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            for name, value in zip(STAT_NAMES, stats):
-                writer.add_scalar(name, value, global_step)
-            if progress is not None:
-                progress.update(steps * N)
-                progress.set_postfix(SPS=sps, ret=f"{mean_recent:.1f}", refresh=False)
-
-            if args.capture_video and (iteration - 1) % args.video_interval == 0:
-                os.makedirs(os.path.join(run_dir, "videos"), exist_ok=True)
-                video_path = os.path.join(run_dir, "videos", f"rollout_iter{iteration:05d}.mp4")
-                write_video(grid_video(obs_buf[:steps]), video_path)
-                if args.track:
-                    wandb.log({"videos/rollout": wandb.Video(video_path, format="mp4")})
-
-            if args.target_return is not None and len(recent_returns) == 100 and mean_recent >= args.target_return:
-                status = "target return reached"
-                break
-        else:
-            status = "completed"
-    except KeyboardInterrupt:
-        status = "interrupted"
-    finally:
-        if progress is not None:
-            progress.close()
-        elapsed = time.perf_counter() - start_time
-        summary = {
-            "env_id": args.env_id,
-            "exp_name": args.exp_name,
-            "seed": args.seed,
-            "device": str(device),
-            "status": status,
-            "total_env_steps": global_step,
-            "wall_seconds": round(elapsed, 3),
-            "mean_sps": round(global_step / elapsed, 1) if elapsed > 0 else 0.0,
-            "episodes": episodes,
-            "mean_return_last_100": float(np.mean(recent_returns)) if recent_returns else None,
-            "solved_threshold": SOLVED_RETURN,
-            "solved_at_step": solved_step,
-            "solved_at_seconds": None if solved_seconds is None else round(solved_seconds, 3),
-        }
-        if status != "non-finite loss":  # NaN weights are not worth saving
-            if args.save_model:
-                model_path = os.path.join(run_dir, f"{args.exp_name}.cleanrl_model")
-                torch.save(agent.state_dict(), model_path)
-                summary["model_path"] = model_path
-            if args.eval_episodes and status in ("completed", "target return reached"):
-                eval_returns = evaluate_greedy(agent, env_cls, args.eval_episodes, device, args.seed + 1)
-                summary["eval_returns"] = eval_returns
-                summary["eval_mean_return"] = float(np.mean(eval_returns))
-                writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], global_step)
-        summary["args"] = asdict(args)
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        solved = "never" if solved_step is None else f"at step {solved_step:,} ({solved_seconds:.2f} s)"
-        print(
-            f"{status}: {global_step:,} steps in {elapsed:.1f} s ({summary['mean_sps']:,.0f} SPS); "
-            f"mean return of the last 100 episodes {summary['mean_return_last_100']}, reached {SOLVED_RETURN:g} {solved}; "
-            f"greedy evaluation {summary.get('eval_mean_return', 'skipped')}; outputs in {run_dir}"
-        )
-        writer.close()
-        if args.track:
-            wandb.finish()
-    if status == "interrupted":
-        raise KeyboardInterrupt
-    return agent
+    with tyro._errors.on_parse_error(one_line):
+        return tyro.cli(Args)
 
 
 def main() -> None:
-    args = tyro.cli(Args)
     try:
+        args = parse_args()
+        device = validate(args)
+        if device.type == "cpu":  # process-wide, so set here rather than inside train()
+            torch.set_num_threads(args.torch_threads or available_cores())
         train(args)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except KeyboardInterrupt:

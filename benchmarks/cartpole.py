@@ -33,9 +33,9 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_cartpole_gpu as ours  # noqa: E402
-from common import machine, train_and_summarize  # noqa: E402
 import reinforce  # noqa: E402
 import vpg  # noqa: E402
+from common import cores, machine, train_and_summarize  # noqa: E402
 
 
 @dataclass
@@ -110,16 +110,8 @@ def run_script(module, logdir: str, **overrides) -> dict:
 class BaselineAgent(nn.Module):
     def __init__(self):
         super().__init__()
-        self.critic = nn.Sequential(
-            ours.layer_init(nn.Linear(4, 64)), nn.Tanh(),
-            ours.layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            ours.layer_init(nn.Linear(64, 1), std=1.0),
-        )  # fmt: skip
-        self.actor = nn.Sequential(
-            ours.layer_init(nn.Linear(4, 64)), nn.Tanh(),
-            ours.layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            ours.layer_init(nn.Linear(64, 2), std=0.01),
-        )  # fmt: skip
+        self.critic = ours.mlp(4, 1, out_std=1.0)  # CleanRL's networks: the same 64-64 tanh MLPs
+        self.actor = ours.mlp(4, 2, out_std=0.01)
 
     def get_action_and_value(self, x, action=None):
         dist = torch.distributions.Categorical(logits=self.actor(x))
@@ -168,7 +160,7 @@ def cleanrl_baseline(seed: int, max_steps: int) -> dict:
             for i in np.flatnonzero(done):
                 recent = (recent + [ep_ret[i]])[-100:]
                 ep_ret[i] = 0.0
-            if len(recent) == 100 and np.mean(recent) >= ours.SOLVED_RETURN:
+            if len(recent) == 100 and np.mean(recent) >= ours.CartPole.reward_threshold:
                 envs.close()
                 return {"solved_at_seconds": time.perf_counter() - start, "solved_at_step": global_step,
                         "mean_sps": global_step / (time.perf_counter() - start)}  # fmt: skip
@@ -222,7 +214,7 @@ def spread(values: list[float], fmt: str) -> str:
 def main() -> None:
     bench = tyro.cli(BenchArgs)
     device = torch.device(bench.device)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(cores())
     rows = []
     for n in bench.env_sizes:
         r_ours, r_ref = env_rates(n, device, bench.seconds_per_measure)

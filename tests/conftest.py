@@ -10,7 +10,15 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPTS = ["ppo_cartpole_gpu", "vpg", "reinforce"]
-"""The scripts that share the tensor CartPole, the CLI skeleton and summary.json."""
+"""The scripts that share the tensor CartPole."""
+ALL_SCRIPTS = SCRIPTS + ["ppo_atari_envpool", "ppo_mujoco_brax"]
+"""All five: they share the `Run` class, the CLI skeleton and the summary.json schema."""
+SUMMARY_KEYS = {
+    "env_id", "exp_name", "seed", "device", "status", "total_env_steps", "iterations", "wall_seconds",
+    "setup_seconds", "mean_sps", "episodes", "mean_return_last_100", "solved_threshold", "solved_at_step",
+    "solved_at_seconds", "eval_returns", "eval_mean_return", "model_path", "args",
+}  # fmt: skip
+"""The keys of every script's summary.json."""
 
 # Two threads at most: CI machines have two cores, and small ops get slower with more.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -30,11 +38,13 @@ def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=No
     if hide:
         cmd = [sys.executable, "-c", f"import runpy, sys; sys.modules[{hide!r}] = None; sys.argv = {[path, *flags]!r}; "
                f"runpy.run_path({path!r}, run_name='__main__')"]  # fmt: skip
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> None:
-    """A failed run that printed exactly one `error: ...` line containing `message`, and no traceback."""
-    assert result.returncode != 0 and "Traceback" not in result.stderr
+    """A usage error: exit code 2 and exactly one `error: ...` line containing `message`, no traceback."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

@@ -1,4 +1,4 @@
-"""GAE on the device (ppo_cartpole_gpu.py and vpg.py carry the same one) against a plain per-env loop."""
+"""GAE on the device (each script that has a critic carries the same one) against a plain per-env loop."""
 
 import importlib
 
@@ -9,9 +9,14 @@ import torch
 from reference import reference_gae
 
 
-@pytest.fixture(params=["ppo_cartpole_gpu", "vpg"])
+@pytest.fixture(params=["ppo_cartpole_gpu", "vpg", "ppo_atari_envpool", "ppo_mujoco_brax"])
 def P(request):
-    return importlib.import_module(request.param)
+    """Every script's own copy of compute_gae."""
+    module = importlib.import_module(request.param)
+    if request.param == "ppo_mujoco_brax":  # its import helper first: it sets MuJoCo's renderer before brax loads
+        pytest.importorskip("jax")
+        module.import_brax()
+    return module
 
 
 def test_gae_matches_reference_loop(P):

@@ -20,7 +20,9 @@ def solve(module, in_tmp, **overrides) -> dict:
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("script, seed", [("ppo_cartpole_gpu", 1), ("ppo_cartpole_gpu", 2), ("vpg", 1), ("reinforce", 1)])
+@pytest.mark.parametrize(
+    "script, seed", [("ppo_cartpole_gpu", 1), ("ppo_cartpole_gpu", 2), ("vpg", 1), ("reinforce", 1)]
+)
 def test_defaults_solve_cartpole(script, seed, in_tmp):
     budget = BUDGET[script]
     summary = solve(importlib.import_module(script), in_tmp, seed=seed)

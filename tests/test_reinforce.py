@@ -1,4 +1,4 @@
-"""reinforce.py: reward-to-go returns and the loss over complete episodes."""
+"""reinforce.py: reward-to-go returns, the loss, and rollouts that train on and log unbiased episodes."""
 
 import numpy as np
 import pytest
@@ -36,27 +36,89 @@ def test_loss_is_minus_mean_logprob_times_normalised_return():
     logp = torch.distributions.Categorical(logits=agent.actor(obs)).log_prob(actions)
     expected = -(logp * (returns - returns.mean()) / returns.std(correction=0)).mean()
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert set(stats) == {"losses/policy_loss", "losses/entropy", "losses/total_loss"}
+    torch.testing.assert_close(stats["losses/total_loss"], expected.detach(), atol=1e-5, rtol=1e-5)
     raw, _ = R.reinforce_loss(agent, R.Args(normalize_returns=False), obs, actions, returns)
     torch.testing.assert_close(raw, -(logp * returns).mean(), atol=1e-6, rtol=1e-6)
 
 
-def test_rollouts_train_only_on_complete_episodes(in_tmp, monkeypatch):
-    """Every transition in the loss lies in an episode that finished inside its rollout, and a
-    rollout stops within 10 steps of every env having finished one."""
-    rollouts, batches = [], []
-    real_returns, real_loss = R.compute_returns, R.reinforce_loss
-    monkeypatch.setattr(R, "compute_returns", lambda r, d, g: rollouts.append(d.clone()) or real_returns(r, d, g))
-    monkeypatch.setattr(R, "reinforce_loss", lambda agent, args, o, a, g: batches.append(len(g)) or real_loss(agent, args, o, a, g))
-    R.train(R.Args(num_envs=16, total_timesteps=20_000, progress_bar=False, eval_episodes=0, target_return=None))
-    assert len(rollouts) == len(batches) > 5
-    for dones, batch in zip(rollouts, batches):
-        per_env = dones.T.numpy()
-        assert all(d.any() for d in per_env)
-        assert batch == sum(int(np.flatnonzero(d)[-1]) + 1 for d in per_env)
-        all_finished = max(int(np.flatnonzero(d)[0]) for d in per_env) + 1
-        assert all_finished <= len(dones) < all_finished + 10
+def record(monkeypatch, args: R.Args):
+    """Train with `args`, recording each rollout as collected, each batch trained on, and the env steps
+    and the episodes (return, length) each `Run.log` call counts."""
+    rollouts, batches, logs = [], [], []
+    collect, update, log = R.collect_rollout, R.update, R.Run.log
+
+    def recording_collect(agent, envs, storage):
+        steps = collect(agent, envs, storage)
+        rollouts.append(R.Rollout(*(x[:steps].clone() for x in storage)))
+        return steps
+
+    def recording_log(run, env_steps, stats, rollout):
+        ended, returns, lengths = run.finished_episodes(rollout)
+        logs.append((env_steps, returns[ended].clone(), lengths[ended].clone()))
+        return log(run, env_steps, stats, rollout)
+
+    monkeypatch.setattr(R, "collect_rollout", recording_collect)
+    monkeypatch.setattr(R, "update", lambda agent, opt, batch, a: batches.append(batch) or update(agent, opt, batch, a))
+    monkeypatch.setattr(R.Run, "log", recording_log)
+    R.train(args)
+    assert len(rollouts) == len(batches) == len(logs)
+    return rollouts, batches, logs
 
 
-def test_num_steps_below_the_episode_limit_is_refused(in_tmp):
+def test_rollouts_train_on_and_log_each_envs_first_episode(in_tmp, monkeypatch):
+    """Every trained transition lies in its env's first episode of the rollout, all of each first episode
+    is trained on, exactly one episode per env is logged, and every simulated step counts. A rollout
+    stops within 10 steps of every env having finished an episode."""
+    N = 16
+    args = R.Args(num_envs=N, total_timesteps=20_000, progress_bar=False, eval_episodes=0, target_return=None)
+    rollouts, batches, logs = record(monkeypatch, args)
+    assert len(rollouts) > 5
+    later_episodes = 0
+    for rollout, batch, (env_steps, returns, lengths) in zip(rollouts, batches, logs):
+        dones = rollout.dones.numpy()
+        steps = len(dones)
+        assert dones.any(0).all()
+        first_end = dones.argmax(0)  # per env, the step its first episode ends on
+        assert first_end.max() + 1 <= steps < first_end.max() + 11
+        later_episodes += int(dones.sum()) - N
+        in_first = np.arange(steps)[:, None] <= first_end[None, :]  # (T, N), time-major as the batch
+        np.testing.assert_array_equal(batch.obs.numpy(), rollout.obs.numpy()[in_first])
+        np.testing.assert_array_equal(batch.actions.numpy(), rollout.actions.numpy()[in_first])
+        expected_returns = reference_returns(rollout.rewards.numpy(), dones, args.gamma)[in_first]
+        np.testing.assert_allclose(batch.returns.numpy(), expected_returns, rtol=1e-5)
+        assert env_steps == steps * N
+        assert sorted(lengths.tolist()) == sorted((first_end + 1).tolist())
+        assert sorted(returns.tolist()) == sorted((first_end + 1.0).tolist())  # CartPole: +1 a step
+    assert later_episodes > len(rollouts)  # later episodes existed, and were left out
+
+
+def random_policy_first_episode_lengths(n: int, seed: int) -> torch.Tensor:
+    """Length of the first episode of each of `n` CartPoles under the uniformly random policy."""
+    env = R.CartPole(n, "cpu", seed)
+    env.reset()
+    actions = torch.Generator().manual_seed(seed)
+    lengths = torch.zeros(n, dtype=torch.int32)
+    while (lengths == 0).any():
+        _, _, terminated, truncated, info = env.step(torch.randint(0, 2, (n,), generator=actions))
+        lengths = torch.where((terminated | truncated) & (lengths == 0), info["episode_length"], lengths)
+    return lengths.float()
+
+
+def test_trained_and_logged_episodes_are_unbiased(in_tmp, monkeypatch):
+    """With a policy that stays near uniform (learning rate 1e-9), the episodes trained on and logged have
+    the mean length of the random policy's episodes (here within 1%). Also keeping the later episodes that
+    end before the slowest env's first one, as reinforce.py once did, biased them 8% short here."""
+    reference = random_policy_first_episode_lengths(20_000, seed=123).mean().item()  # ~22.4, standard error ~0.1
+    frozen = dict(learning_rate=1e-9, progress_bar=False, eval_episodes=0, target_return=None)
+    args = R.Args(num_envs=256, total_timesteps=200_000, seed=5, **frozen)
+    _, batches, logs = record(monkeypatch, args)
+    lengths = torch.cat([lengths for _, _, lengths in logs]).float()
+    assert len(lengths) >= 1500  # standard error of the mean ~12 / sqrt(1500) ~ 0.3, ~1.4% of it
+    assert lengths.mean().item() == pytest.approx(reference, rel=0.04)
+    assert sum(len(batch.actions) for batch in batches) == lengths.sum().item()  # trained: the same episodes
+
+
+def test_num_steps_below_the_episode_limit_is_refused():
     with pytest.raises(R.UsageError, match="below the episode limit 500"):
-        R.train(R.Args(num_steps=100, progress_bar=False))
+        R.validate(R.Args(num_steps=100))

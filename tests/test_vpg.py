@@ -1,5 +1,6 @@
-"""vpg.py: the importance-weighted loss reduces to plain VPG on a rollout's first use."""
+"""vpg.py: the importance-weighted loss reduces to plain VPG on a rollout's first use; reuse takes more steps."""
 
+import pytest
 import torch
 
 import vpg as V
@@ -30,7 +31,8 @@ def test_first_use_equals_plain_vpg_loss_and_gradient():
     loss, stats = V.vpg_loss(agent, args, obs, actions, old_logprobs, advantages, returns)
     expected = plain_vpg_loss(agent, args, obs, actions, advantages, returns)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
-    assert stats[3].item() == 0.0  # approx KL of pi against itself
+    assert stats["losses/approx_kl"].item() == 0.0  # approx KL of pi against itself
+    torch.testing.assert_close(stats["losses/total_loss"], expected.detach(), atol=1e-6, rtol=1e-6)
     grads = torch.autograd.grad(loss, list(agent.parameters()))
     expected_grads = torch.autograd.grad(expected, list(agent.parameters()))
     for g, e in zip(grads, expected_grads):
@@ -54,8 +56,50 @@ def test_later_uses_are_importance_weighted_and_clipped():
     assert not torch.isclose(loss, unclipped)
 
 
-def test_rollout_reuse_trains(in_tmp):
-    """K = 4 uses of each rollout run and log a nonzero KL after the first step."""
-    args = V.Args(rollout_use_count=4, total_timesteps=20_000, progress_bar=False, eval_episodes=0, target_return=None)
-    agent = V.train(args)
-    assert isinstance(agent, V.Agent)
+STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "total_loss", "explained_variance")
+
+
+def cartpole_batch(agent, args) -> V.Batch:
+    """A real batch: one rollout of the CartPole under `agent`, its advantages and returns, as `train` makes it."""
+    T, N = args.num_steps, args.num_envs
+    envs = V.CartPole(N, "cpu", seed=0)
+    rollout = V.Rollout.empty(T, N, envs.obs_dim, "cpu")
+    V.collect_rollout(agent, envs, envs.reset()[0], rollout)
+    b_obs, b_actions = rollout.obs.view(T * N, -1), rollout.actions.view(T * N)
+    with torch.no_grad():
+        b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
+        next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)
+    values, gae = b_values.view(T, N), (args.gamma, args.gae_lambda)
+    advantages, returns = V.compute_gae(rollout.rewards, values, next_values, rollout.terminated, rollout.dones, *gae)
+    return V.Batch(b_obs, b_actions, b_logprobs, advantages.view(-1), returns.view(-1), b_values)
+
+
+@pytest.mark.parametrize("uses", [1, 4])
+def test_rollout_reuse_takes_importance_weighted_steps(uses, monkeypatch):
+    """`update` takes `rollout-use-count` gradient steps on the batch: the first on-policy (KL 0), the later
+    ones away from pi_old (KL > 0), and it reports their mean statistics and the explained variance."""
+    torch.manual_seed(0)
+    agent = V.Agent(4, 2)
+    args = V.Args(num_envs=32, num_steps=16, rollout_use_count=uses)
+    batch = cartpole_batch(agent, args)
+    before = [p.detach().clone() for p in agent.parameters()]
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    calls, real_loss = [], V.vpg_loss
+    monkeypatch.setattr(V, "vpg_loss", lambda *a: calls.append(a) or real_loss(*a))
+    stats = V.update(agent, optimizer, batch, args)
+    assert len(calls) == uses
+    assert set(stats) == {f"losses/{name}" for name in STATS}
+    assert all(torch.isfinite(value) for value in stats.values())
+    if uses == 1:
+        assert stats["losses/approx_kl"].item() == 0.0
+    else:
+        assert stats["losses/approx_kl"].item() > 1e-4  # 0.005 here
+    assert all(not torch.equal(p, q) for p, q in zip(agent.parameters(), before))
+    torch.testing.assert_close(stats["losses/explained_variance"], V.explained_variance(batch.values, batch.returns))
+
+
+def test_explained_variance_is_nan_for_constant_returns():
+    assert V.explained_variance(torch.randn(10), torch.ones(10)).isnan()
+    returns = torch.arange(10.0)
+    assert V.explained_variance(returns, returns).item() == 1.0
+    assert V.explained_variance(torch.zeros(10), returns).item() == 0.0

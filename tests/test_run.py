@@ -1,0 +1,239 @@
+"""What the five scripts share: the `Run` class (identical copies), the algorithm's shape, the PPO loss
+against hand-computed numbers, and the run management's bookkeeping on scripted rollouts."""
+
+import glob
+import importlib
+import inspect
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ALL_SCRIPTS, SCRIPTS, SUMMARY_KEYS
+
+MARKER = "    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----"
+SHARED = ["Status", "write_video", "validate_run_flags", "available_cores", "parse_args", "main", "UsageError",
+          "NonFiniteLossError"]  # fmt: skip
+CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "mlp", "Run"]
+
+
+def module(name):
+    mod = importlib.import_module(name)
+    if name == "ppo_mujoco_brax":  # the script's import helper first: it sets MuJoCo's renderer before brax loads
+        pytest.importorskip("jax")
+        mod.import_brax()
+    return mod
+
+
+def shared_part_of_run(mod) -> str:
+    source = inspect.getsource(mod.Run)
+    assert source.count(MARKER) == 1, f"{mod.__name__}.Run lacks the environment-specific marker"
+    return source.split(MARKER)[0]
+
+
+@pytest.mark.parametrize("name", ALL_SCRIPTS[1:])
+def test_run_management_is_the_same_code_in_every_script(name):
+    template, mod = module("ppo_cartpole_gpu"), module(name)
+    assert shared_part_of_run(mod) == shared_part_of_run(template)
+    for obj in SHARED:
+        assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
+
+
+@pytest.mark.parametrize("name", SCRIPTS[1:])
+def test_cartpole_scripts_carry_the_same_env_and_networks(name):
+    template, mod = module("ppo_cartpole_gpu"), module(name)
+    for obj in CARTPOLE_SHARED:
+        if name == "reinforce" and obj == "Run":  # its first-episode bookkeeping differs, below the marker
+            continue
+        assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
+
+
+@pytest.mark.parametrize("name", ALL_SCRIPTS)
+def test_train_is_one_screen_of_named_phases(name):
+    mod = module(name)
+    lines = inspect.getsource(mod.train).splitlines()
+    assert len(lines) <= 45, f"{name}.train() has {len(lines)} lines"
+    source = "\n".join(lines)
+    assert "with Run(args) as run:" in source and "run.log(" in source and "collect_rollout(" in source
+    assert "writer" not in source and "summary" not in source and "wandb" not in source
+
+
+# ---------------------------------------------------------------------------------------------
+# The PPO loss against numbers worked out by hand
+# ---------------------------------------------------------------------------------------------
+class FixedPolicy:
+    """Stands in for the agent: evaluate() returns fixed new log-probs, entropies and values."""
+
+    def __init__(self, logprob, entropy, value):
+        self.out = tuple(torch.tensor(x, dtype=torch.float64) for x in (logprob, entropy, value))
+
+    def evaluate(self, obs, actions):
+        return self.out
+
+
+# three samples with ratios 1.5, 0.5 and 1.1 (clipped at 0.8 and 1.2), advantages 1, -1 and 2
+RATIO = [1.5, 0.5, 1.1]
+OLD_LOGPROB = [0.0, 0.0, 0.0]
+ADVANTAGES = [1.0, -1.0, 2.0]
+ENTROPY = [0.5, 0.6, 0.7]
+NEW_VALUE, RETURNS, OLD_VALUE = [1.0, 2.0, 0.0], [1.5, 1.0, 0.0], [1.0, 1.0, 1.0]
+# policy loss: max(-A r, -A clip(r)) = max(-1.5, -1.2), max(0.5, 0.8), max(-2.2, -2.2) -> mean(-1.2, 0.8, -2.2)
+PG_LOSS = (-1.2 + 0.8 - 2.2) / 3
+CLIPFRAC = 2 / 3  # |r - 1| > 0.2 for the first two
+APPROX_KL = ((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5)) + (0.1 - math.log(1.1))) / 3  # mean((r - 1) - log r)
+V_LOSS = 0.5 * (0.25 + 1.0 + 0.0) / 3  # ½ mean((V - R)²)
+# clipped: V_old + clip(V - V_old, ±0.2) = 1.0, 1.2, 0.8 -> squared errors 0.25, 0.04, 0.64; the max per sample
+V_LOSS_CLIPPED = 0.5 * (0.25 + 1.0 + 0.64) / 3
+PPO_SCRIPTS = ["ppo_cartpole_gpu", "ppo_atari_envpool", "ppo_mujoco_brax"]
+
+
+@pytest.mark.parametrize("name", PPO_SCRIPTS)
+@pytest.mark.parametrize("clip_vloss", [False, True])
+def test_ppo_loss_matches_hand_computed_values(name, clip_vloss):
+    mod = module(name)
+    if clip_vloss and not hasattr(mod.Args, "clip_vloss"):
+        pytest.skip(f"{name} has no --clip-vloss")
+    flags = dict(clip_coef=0.2, norm_adv=False, ent_coef=0.01, vf_coef=0.5)
+    if hasattr(mod.Args, "clip_vloss"):
+        flags["clip_vloss"] = clip_vloss
+    args = mod.Args(**flags)
+    agent = FixedPolicy(np.log(RATIO), ENTROPY, NEW_VALUE)
+    t = lambda x: torch.tensor(x, dtype=torch.float64)
+    inputs = dict(obs=None, actions=None, old_logprobs=t(OLD_LOGPROB), advantages=t(ADVANTAGES), returns=t(RETURNS),
+                  old_values=t(OLD_VALUE))  # fmt: skip
+    wanted = inspect.signature(mod.ppo_loss).parameters
+    loss, stats = mod.ppo_loss(agent, args, **{k: v for k, v in inputs.items() if k in wanted})
+    v_loss = V_LOSS_CLIPPED if clip_vloss else V_LOSS
+    expected = {
+        "losses/policy_loss": PG_LOSS,
+        "losses/value_loss": v_loss,
+        "losses/entropy": 0.6,
+        "losses/approx_kl": APPROX_KL,
+        "losses/clipfrac": CLIPFRAC,
+        "losses/total_loss": PG_LOSS - 0.01 * 0.6 + 0.5 * v_loss,
+    }
+    assert set(stats) == set(expected)
+    for tag, value in expected.items():
+        assert stats[tag].item() == pytest.approx(value, abs=1e-7), tag  # clipfrac is float32
+    assert loss.item() == pytest.approx(expected["losses/total_loss"], abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg", "ppo_atari_envpool", "ppo_mujoco_brax"])
+def test_explained_variance_is_nan_for_constant_returns(name):
+    mod = module(name)
+    assert math.isnan(mod.explained_variance(torch.tensor([0.5, 0.2]), torch.ones(2)).item())
+    values, returns = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0])
+    expected = 1 - (returns - values).var() / returns.var()
+    assert mod.explained_variance(values, returns).item() == pytest.approx(expected.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Run: the bookkeeping on scripted rollouts
+# ---------------------------------------------------------------------------------------------
+import ppo_cartpole_gpu as P  # noqa: E402
+
+
+class ScriptedRollout:
+    """What Run reads of a CartPole rollout: where episodes ended, and their returns and lengths."""
+
+    def __init__(self, returns):
+        n = len(returns)
+        self.dones = torch.ones(1, n, dtype=torch.bool)
+        self.episode_return = torch.tensor([returns], dtype=torch.float32)
+        self.episode_length = self.episode_return.int()
+
+
+def scripted_run(in_tmp, rollouts, stats=None, **flags):
+    args = P.Args(progress_bar=False, eval_episodes=0, save_model=True, **flags)
+    agent = P.Agent(4, 2)
+    optimizer = torch.optim.Adam(agent.parameters())
+    stats = stats or {"losses/total_loss": torch.tensor(0.5), "losses/explained_variance": torch.tensor(float("nan"))}
+    stopped_at = None
+    with P.Run(args) as run:
+        run.start(agent, P.CartPole(4), optimizer, total_steps=1000 * len(rollouts))
+        for i, returns in enumerate(rollouts, 1):
+            if run.log(1000, stats, ScriptedRollout(returns)):
+                stopped_at = i
+                break
+    (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
+    return json.load(open(path)), stopped_at
+
+
+def test_run_counts_episodes_and_the_100_episode_window(in_tmp):
+    # 60 episodes of 100, then 60 of 480, then 60 of 500: the window of 100 first reaches 475 at the third log
+    rollouts = [[100.0] * 60, [480.0] * 60, [500.0] * 60]
+    summary, stopped_at = scripted_run(in_tmp, rollouts, target_return=490.0)
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["episodes"] == 180 and summary["total_env_steps"] == 3000 and summary["iterations"] == 3
+    assert summary["mean_return_last_100"] == pytest.approx((40 * 480 + 60 * 500) / 100)  # 492: target reached
+    assert stopped_at == 3 and summary["status"] == "target return reached"
+    assert summary["solved_threshold"] == 475.0 and summary["solved_at_step"] == 3000  # 328 at step 2000
+    assert summary["model_path"].endswith("ppo_cartpole_gpu.cleanrl_model") and os.path.exists(summary["model_path"])
+    assert summary["eval_returns"] is None and summary["args"]["target_return"] == 490.0
+
+
+def test_run_without_target_runs_every_iteration(in_tmp):
+    summary, stopped_at = scripted_run(in_tmp, [[500.0] * 100, [], [500.0]], target_return=None)
+    assert stopped_at is None and summary["status"] == "completed" and summary["episodes"] == 101
+    assert summary["solved_at_step"] == 1000  # solved, but there was no target to stop at
+
+
+def test_run_stops_on_a_non_finite_loss_and_keeps_no_weights(in_tmp):
+    stats = {"losses/total_loss": torch.tensor(float("nan"))}
+    with pytest.raises(P.NonFiniteLossError, match="non-finite loss at iteration 1 \\(env step 1000\\)"):
+        scripted_run(in_tmp, [[10.0]], stats=stats)
+    (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
+    summary = json.load(open(path))
+    assert summary["status"] == "non-finite loss" and summary["model_path"] is None
+
+
+def test_run_writes_everything_on_ctrl_c(in_tmp):
+    args = P.Args(progress_bar=False, eval_episodes=3, save_model=True)
+    agent = P.Agent(4, 2)
+    with pytest.raises(KeyboardInterrupt):
+        with P.Run(args) as run:
+            run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10)
+            run.log(10, {"losses/total_loss": torch.tensor(1.0)}, ScriptedRollout([20.0, 30.0]))
+            raise KeyboardInterrupt
+    (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
+    summary = json.load(open(path))
+    assert summary["status"] == "interrupted" and summary["episodes"] == 2 and summary["mean_return_last_100"] == 25.0
+    assert os.path.exists(summary["model_path"]) and summary["eval_returns"] is None  # no evaluation when cut short
+
+
+# ---------------------------------------------------------------------------------------------
+# Portability: no Linux-only call on start-up, no process-wide change inside train()
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_main_runs_without_sched_getaffinity(name, in_tmp, monkeypatch, capsys):
+    """macOS and Windows have no os.sched_getaffinity."""
+    mod = module(name)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(sys, "argv", [name, "--total-timesteps", "5000", "--no-progress-bar", "--eval-episodes", "0",
+                                      "--num-envs", "8", "--device", "cpu"])  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        mod.main()
+    finally:
+        torch.set_num_threads(threads)
+    assert "completed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_train_leaves_the_thread_count_alone(name, in_tmp):
+    mod = module(name)
+    threads = torch.get_num_threads()
+    mod.train(mod.Args(torch_threads=threads + 1, total_timesteps=5000, num_envs=8, progress_bar=False,
+                       eval_episodes=0, device="cpu"))  # fmt: skip
+    assert torch.get_num_threads() == threads
+
+
+def test_benchmark_machine_line_without_sched_getaffinity(monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    common = importlib.import_module("common")
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert f"{os.cpu_count()} cores" in common.machine()
