@@ -14,9 +14,9 @@ Environment (EnvPool's Atari defaults, the preprocessing of Mnih et al. 2015 / M
 frame skip 4 with max-pooling of the last two frames, 84x84 grayscale, a stack of the last 4
 frames, up to 30 no-op actions after a reset, FIRE pressed on reset where the game needs it, no
 sticky actions, the minimal action set, 27000 agent steps (108k frames) per game at most.
-Training uses `episodic_life` (a lost life ends the episode for the agent) and `reward_clip`
-(rewards clipped to their sign); the scores we log are the real game scores: unclipped rewards
-summed over all lives (see `GameStats`).
+Training and evaluation use `episodic_life` (a lost life ends the episode for the agent, and the
+reset that follows presses FIRE) and `reward_clip` (rewards clipped to their sign); the scores we
+log are the real game scores: unclipped rewards summed over all lives (see `GameStats`).
 
 EnvPool resets an env on the step *after* it reported done: that step returns the new episode's
 first observation, reward 0, and ignores the action it was given. We store that step like any
@@ -32,10 +32,13 @@ Details of PPO"):
     L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ]
     L_V     = ½ E[ max((V_θ(s_t) - R_t)², (V_old + clip(V_θ - V_old, -ε, ε) - R_t)²) ],  R_t = Â_t + V_old(s_t)
     L       = L_clip - c_ent H[π_θ] + c_vf L_V
+π_θold and V_old are the policy and critic of the update's start on every row, also on the rows an env
+acted on before the previous update (see `carry_over`), so the ratio starts at 1.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -43,7 +46,8 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Optional
+from enum import Enum
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -53,41 +57,7 @@ import tyro
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run folder's name)"""
-    seed: int = 1
-    """seed of the networks, the action sampling and the environments"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device for the networks and the update (cuda when available, else cpu)"""
-    torch_threads: int = 0
-    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "rl-ladder"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None uses your default"""
-    capture_video: bool = False
-    """save a 4x4 grid video of 16 envs' frames from the rollout every `video-interval` iterations"""
-    video_interval: int = 100
-    """iterations between two videos"""
-    save_model: bool = False
-    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
-    eval_episodes: int = 4
-    """whole games played by the final policy after training, without life loss or reward clipping (0 skips)"""
-    progress_bar: bool = True
-    """show a live progress bar with SPS and the recent game score"""
-    async_envs: bool = False
-    """step the envs asynchronously: EnvPool returns the first half of the envs that are ready while
-    the other half is still being emulated, so the policy and the emulators overlap"""
-    compile: bool = False
-    """torch.compile the network (pays a one-off compile time)"""
-    channels_last: bool = True
-    """keep conv activations in channels-last memory layout (faster convolutions on CPU and GPU)"""
-    bf16: bool = False
-    """run the CNN trunk in bfloat16 autocast (AMX on recent Xeons, tensor cores on GPUs); the
-    heads, the losses and the weights stay float32"""
-
+    # Algorithm
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
     total_timesteps: int = 10_000_000
@@ -125,6 +95,42 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""
 
+    # Run management and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the networks, the action sampling and the environments"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device for the networks and the update (cuda when available, else cpu)"""
+    torch_threads: int = 0
+    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
+    async_envs: bool = False
+    """step the envs asynchronously: EnvPool returns the first half of the envs that are ready while
+    the other half is still being emulated, so the policy and the emulators overlap"""
+    compile: bool = False
+    """torch.compile the network (pays a one-off compile time)"""
+    channels_last: bool = True
+    """keep conv activations in channels-last memory layout (faster convolutions on CPU and GPU)"""
+    bf16: bool = False
+    """run the CNN trunk in bfloat16 autocast (AMX on recent Xeons, tensor cores on GPUs); the
+    heads, the losses and the weights stay float32"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "rl-ladder"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None uses your default"""
+    capture_video: bool = False
+    """save a grid video of up to 16 envs' frames from the rollout every `video-interval` iterations"""
+    video_interval: int = 100
+    """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
+    save_model: bool = False
+    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
+    eval_episodes: int = 4
+    """whole games played by the final policy after training, scored with the real rewards (0 skips)"""
+    progress_bar: bool = True
+    """show a live progress bar with SPS and the recent game score"""
+
 
 class UsageError(ValueError):
     """A bad flag, an impossible combination of flags or a missing package: reported in one line."""
@@ -137,20 +143,15 @@ class NonFiniteLossError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 # Environment
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = None, train: bool = True):
-    """An EnvPool Atari pool (gymnasium API). Training pools end episodes on a lost life and clip
-    rewards; evaluation pools play whole games with the real rewards."""
-    try:
-        import envpool
-    except ImportError:
-        raise UsageError("this script needs envpool: pip install envpool==1.2.5") from None
-    try:
-        return envpool.make(
-            env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs, seed=seed,
-            episodic_life=train, reward_clip=train,
-        )  # fmt: skip
-    except (AssertionError, KeyError):  # EnvPool asserts on unknown ids (KeyError under python -O)
-        raise UsageError(f"unknown --env-id {env_id!r}: envpool.list_all_envs() lists the games (e.g. Pong-v5)") from None
+def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = None):
+    """An EnvPool Atari pool (gymnasium API) with the training settings: episodes end on a lost life
+    and rewards are clipped (`info["reward"]` keeps the raw ones). `recv` hands back `batch_size` envs."""
+    import envpool
+
+    return envpool.make(
+        env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs, seed=seed,
+        episodic_life=True, reward_clip=True,
+    )  # fmt: skip
 
 
 class GameStats:
@@ -175,21 +176,29 @@ class GameStats:
         return games
 
 
+def game_over(info: dict, truncated: np.ndarray) -> np.ndarray:
+    """Which envs' games ended at this step: the last life lost, or the step limit."""
+    return (info["terminated"] == 1) | truncated
+
+
 def grid_video(frames: torch.Tensor) -> np.ndarray:
-    """Frames (T, 4*84, 4*84, 3) uint8 of the first 16 envs of a rollout of stacked observations (T, N, 4, 84, 84)."""
+    """RGB frames (T, rows*84, cols*84, 3) uint8 of a rollout of stacked observations (T, N, 4, 84, 84): up to 16
+    envs tiled as squarely as they fit without a wasted row (8 envs: 2x4, 9: 3x3, 16: 4x4)."""
     frames = frames[:, :16, -1]  # the newest frame of each stack
     t, n, h, w = frames.shape
-    if n < 16:  # fewer than 16 envs: black tiles fill the grid
-        frames = torch.cat((frames, frames.new_zeros((t, 16 - n, h, w))), dim=1)
+    rows = math.isqrt(n)
+    cols = -(-n // rows)
+    if n < rows * cols:  # black tiles fill the last row
+        frames = torch.cat((frames, frames.new_zeros((t, rows * cols - n, h, w))), dim=1)
     frames = frames.clone()
     frames[:, :, [0, -1]] = 128  # thin grey border between tiles
     frames[:, :, :, [0, -1]] = 128
-    grid = frames.view(t, 4, 4, h, w).permute(0, 1, 3, 2, 4).reshape(t, 4 * h, 4 * w)
+    grid = frames.view(t, rows, cols, h, w).permute(0, 1, 3, 2, 4).reshape(t, rows * h, cols * w)
     return grid.unsqueeze(-1).expand(-1, -1, -1, 3).cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------
-# Networks
+# Agent
 # ----------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Module:
     """Orthogonal weights, constant bias (detail 2)."""
@@ -202,12 +211,14 @@ class Agent(nn.Module):
     """The Nature CNN (Mnih et al. 2015) as a shared trunk, with actor and critic heads.
 
     Takes uint8 frames (B, 4, 84, 84) and scales them by 1/255 inside, so the rollout buffer stays uint8.
-    With `bf16` the trunk runs in bfloat16 autocast and hands float32 features to the heads.
+    With `channels_last` the convolutions run in channels-last memory layout, with `bf16` the trunk runs
+    in bfloat16 autocast and hands float32 features to the heads.
     """
 
-    def __init__(self, num_actions: int, bf16: bool = False):
+    def __init__(self, num_actions: int, bf16: bool = False, channels_last: bool = False):
         super().__init__()
         self.bf16 = bf16
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.network = nn.Sequential(
             layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -217,19 +228,23 @@ class Agent(nn.Module):
         )  # fmt: skip
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+        self.to(memory_format=self.memory_format)
 
     def forward(self, obs: torch.Tensor):
         """Logits and value of uint8 observations."""
+        obs = obs.contiguous(memory_format=self.memory_format)
         with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(obs.float() / 255.0)
         hidden = hidden.float()
         return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
-    def act(self, obs: torch.Tensor):
-        """A sampled action, its log-probability and the value, for acting in the envs."""
+    def get_action(self, obs: torch.Tensor, greedy: bool = False):
+        """An action (sampled, or the most likely with `greedy`), its log-probability and the value."""
         logits, value = self(obs)
-        # Gumbel-max: argmax(logits + Gumbel noise) samples the softmax distribution
-        action = (logits - torch.empty_like(logits).exponential_().log()).argmax(-1)
+        if greedy:
+            action = logits.argmax(-1)
+        else:  # Gumbel-max: argmax(logits + Gumbel noise) samples the softmax distribution
+            action = (logits - torch.empty_like(logits).exponential_().log()).argmax(-1)
         logprob = logits.log_softmax(-1).gather(-1, action.unsqueeze(-1)).squeeze(-1)
         return action, logprob, value
 
@@ -244,6 +259,117 @@ class Agent(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Algorithm
 # ----------------------------------------------------------------------------------------------
+class Rollout(NamedTuple):
+    """Every env's steps in its own column, in that env's order, and the pool's bookkeeping.
+
+    Rows 0..T-1 of a column are the rollout's T steps and row T the observation to bootstrap from (also
+    the next rollout's row 0). In async mode envs come back in any order, and an env may run past row T
+    while the others catch up: hence 2T+1 rows. Tensors (2T+1, N) on the device.
+    """
+
+    obs: torch.Tensor  # (2T+1, N, 4, 84, 84) uint8, the observation each action was chosen on
+    actions: torch.Tensor  # (2T+1, N)
+    logprobs: torch.Tensor  # (2T+1, N) log π_old(a|s)
+    values: torch.Tensor  # (2T+1, N) V_old(s)
+    rewards: torch.Tensor  # (2T+1, N) the (clipped) reward of this row's action
+    terminated: torch.Tensor  # (2T+1, N) a life was lost at this step: no future to bootstrap
+    dones: torch.Tensor  # (2T+1, N) terminated or truncated: an episode ended at this step
+    valid: torch.Tensor  # (2T+1, N) False for the reset step that follows a done (its action is ignored)
+    filled: np.ndarray  # (N,) rows filled per env
+    parked: np.ndarray  # (N,) envs whose last action waits for the next rollout
+    game_stats: GameStats  # the scores of the games in progress
+    games: list[tuple[float, int]]  # (score, length) of the games that ended during the last rollout
+
+    @staticmethod
+    def empty(num_steps: int, num_envs: int, device: torch.device) -> Rollout:
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros((2 * num_steps + 1, num_envs, *shape), dtype=dtype, device=device)
+
+        flags = (zeros(dtype=torch.bool) for _ in range(3))  # terminated, dones, valid
+        tensors = (zeros(4, 84, 84, dtype=torch.uint8), zeros(dtype=torch.long), zeros(), zeros(), zeros(), *flags)
+        return Rollout(*tensors, np.zeros(num_envs, dtype=np.int64), np.zeros(num_envs, bool), GameStats(num_envs), [])
+
+
+class Batch(NamedTuple):
+    """The valid steps of a rollout, flattened, with what the loss needs."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor  # log π_old(a|s)
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    values: torch.Tensor  # V_old(s)
+
+
+@torch.inference_mode()
+def collect_rollout(agent: Agent, envs, rollout: Rollout, env_batch: int) -> int:
+    """Fill every env's column of `rollout` up to row T with the current policy; return the steps emulated.
+
+    EnvPool hands back `env_batch` envs per `recv` (all of them in sync mode), in any order. A step's reward
+    and flags arrive with the next observation, so they go to the env's previous row. An env that has its
+    T+1 rows is parked (its last action waits for the next rollout) as long as `env_batch` envs stay in
+    flight for EnvPool to fill a batch; the rows an env still runs past T are kept for the next rollout.
+    """
+    T = len(rollout.obs) // 2
+    filled, parked, device = rollout.filled, rollout.parked, rollout.obs.device
+    if filled.min() > T:  # the last rollout's rows past T become this one's first rows
+        carry_over(agent, rollout)
+    rollout.games.clear()
+    if parked.any():
+        ids = np.flatnonzero(parked)
+        envs.send(rollout.actions[filled[ids] - 1, ids].cpu().numpy(), ids.astype(np.int32))
+        parked[:] = False
+    env_steps = 0
+    while filled.min() < T + 1:
+        obs, reward, terminated, truncated, info = envs.recv()
+        ids, done = info["env_id"], terminated | truncated
+        row = filled[ids]
+        if row.max() >= len(rollout.obs):
+            raise RuntimeError("an async env ran more than a rollout ahead of the others")
+        # this step's reward and flags belong to each env's previous row (absent right after the first reset)
+        prev = row > 0
+        prev_rows, prev_ids = torch.from_numpy(row[prev] - 1), torch.from_numpy(ids[prev])
+        rollout.rewards[prev_rows, prev_ids] = torch.from_numpy(reward[prev]).to(device)
+        rollout.terminated[prev_rows, prev_ids] = torch.from_numpy(terminated[prev]).to(device)
+        rollout.dones[prev_rows, prev_ids] = torch.from_numpy(done[prev]).to(device)
+        rollout.games.extend(
+            rollout.game_stats.update(ids, info["reward"], game_over(info, truncated), info["elapsed_step"])
+        )
+
+        obs_t = torch.from_numpy(obs).to(device)
+        action, logprob, value = agent.get_action(obs_t)
+        # park envs that have their T+1 rows, keeping at least a batch of envs in flight
+        done_rows = row + 1 >= T + 1
+        room = len(filled) - env_batch - int(parked.sum())
+        park = done_rows & (np.cumsum(done_rows) <= room)
+        parked[ids[park]] = True
+        if not park.all():
+            envs.send(action.cpu().numpy()[~park], ids[~park])
+        row_t, ids_t = torch.from_numpy(row), torch.from_numpy(ids)
+        rollout.obs[row_t, ids_t] = obs_t
+        rollout.actions[row_t, ids_t] = action
+        rollout.logprobs[row_t, ids_t] = logprob
+        rollout.values[row_t, ids_t] = value
+        # an env that has just reported done spends its next step resetting, whatever the action
+        rollout.valid[row_t, ids_t] = torch.from_numpy(~done).to(device)
+        filled[ids] += 1
+        env_steps += int(prev.sum())  # steps emulated; the first recv after the reset is none
+    return env_steps
+
+
+def carry_over(agent: Agent, rollout: Rollout) -> None:
+    """Move each env's rows past T (row T, and the rows an async env ran ahead) to the top of its column,
+    with the log-probability and value of the current policy: their actions were chosen before the last
+    update (the action stays: the env has it), and the next update's ratio must start at 1 on them too."""
+    T = len(rollout.obs) // 2
+    for buf in rollout[:8]:  # the (2T+1, N) tensors
+        buf[: T + 1] = buf[T:].clone()
+    rollout.filled[:] -= T
+    rows, ids = torch.from_numpy(np.arange(T + 1)[:, None] < rollout.filled).nonzero(as_tuple=True)
+    logprobs, _, values = agent.evaluate(rollout.obs[rows, ids], rollout.actions[rows, ids])
+    rollout.logprobs[rows, ids], rollout.values[rows, ids] = logprobs, values
+
+
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
     """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns).
 
@@ -262,7 +388,7 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, g
 
 
 def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, returns, old_values):
-    """Clipped-surrogate PPO loss for one minibatch; returns (loss, detached statistics)."""
+    """Clipped-surrogate PPO loss for one minibatch; returns (loss, statistics keyed by TensorBoard tag)."""
     newlogprob, entropy, newvalue = agent.evaluate(obs, actions)
     logratio = newlogprob - old_logprobs
     ratio = logratio.exp()
@@ -279,41 +405,302 @@ def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, r
         v_loss = 0.5 * (newvalue - returns).square().mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
-    stats = torch.stack((pg_loss, v_loss, entropy_loss, approx_kl, clipfrac, loss)).detach()
-    return loss, stats
+    stats = {"losses/policy_loss": pg_loss, "losses/value_loss": v_loss, "losses/entropy": entropy_loss,
+             "losses/approx_kl": approx_kl, "losses/clipfrac": clipfrac, "losses/total_loss": loss}  # fmt: skip
+    return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-STAT_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac", "losses/total_loss")
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
+    returns are constant (as in CleanRL), where the ratio means nothing."""
+    var_returns = returns.var()
+    return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
-def evaluate_games(agent: Agent, args: Args, device: torch.device, memory_format) -> list[float]:
-    """Scores of `--eval-episodes` whole games (no life loss, raw rewards) under the sampling policy."""
-    envs = make_env(args.env_id, args.eval_episodes, args.seed + 1, train=False)
-    obs, _ = envs.reset()
-    scores = np.zeros(args.eval_episodes)
-    finished = np.zeros(args.eval_episodes, dtype=bool)
-    with torch.inference_mode():
-        while not finished.all():
-            obs_t = torch.from_numpy(obs).to(device).contiguous(memory_format=memory_format)
-            action, _, _ = agent.act(obs_t)
-            obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
-            scores += np.where(finished, 0.0, info["reward"])
-            finished |= terminated | truncated
-    envs.close()
-    return scores.tolist()
+def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch in shuffled minibatches (detail 6; `tensor_split`, as the number of
+    valid steps varies a little), each step with global gradient clipping (detail 11), ending early once the
+    approximate KL exceeds `target-kl`. Returns the mean of each loss statistic and the explained variance."""
+    history = []
+    for _ in range(args.update_epochs):
+        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).tensor_split(args.num_minibatches):
+            loss, stats = ppo_loss(agent, args, *(x[idx] for x in batch))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            history.append(stats)
+        if args.target_kl is not None and stats["losses/approx_kl"] > args.target_kl:  # a host read per epoch
+            break
+    means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
+    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
+
+
+def train(args: Args) -> Agent:
+    """Train PPO on the `--env-id` game and return the agent.
+
+    `Run` writes the outputs; Ctrl-C (KeyboardInterrupt) and a non-finite loss end the run with everything written.
+    """
+    device = torch.device(args.device)
+    T, N = args.num_steps, args.num_envs
+    num_iterations = args.total_timesteps // (T * N)
+    env_batch = N // 2 if args.async_envs else N  # async: EnvPool emulates half the envs while the policy acts
+    with Run(args) as run:
+        envs = make_env(args.env_id, N, args.seed, batch_size=env_batch)
+        torch.manual_seed(args.seed)
+        agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)
+        if args.compile:  # compile the forward pass only, so the weights keep their plain names
+            agent.forward = torch.compile(agent.forward)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # eps: detail 3
+        rollout = Rollout.empty(T, N, device)
+        envs.async_reset()
+        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N)
+        for iteration in range(1, num_iterations + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            env_steps = collect_rollout(agent, envs, rollout, env_batch)
+            # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
+            advantages, returns = compute_gae(rollout.rewards[:T], rollout.values[:T], rollout.values[1 : T + 1],
+                                              rollout.terminated[:T], rollout.dones[:T],
+                                              args.gamma, args.gae_lambda)  # fmt: skip
+            valid = rollout.valid[:T].flatten()  # the reset steps are left out of the loss
+            b_obs, b_actions, b_logprobs, b_values = (x[:T].flatten(0, 1)[valid] for x in rollout[:4])
+            batch = Batch(b_obs, b_actions, b_logprobs, advantages.flatten()[valid], returns.flatten()[valid], b_values)
+            stats = update(agent, optimizer, batch, args)
+            if run.log(env_steps, stats, rollout):  # True once the target return is reached
+                break
+    return agent
+
+
+# ----------------------------------------------------------------------------------------------
+# Run management: the same code in all five scripts, but for the part marked environment-specific
+# ----------------------------------------------------------------------------------------------
+class Status(str, Enum):
+    COMPLETED = "completed"
+    TARGET_REACHED = "target return reached"
+    INTERRUPTED = "interrupted"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
+
+
+class Run:
+    """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
+    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, the model, the
+    final evaluation, summary.json and Ctrl-C. `train` opens it with `with Run(args) as run:`, calls
+    `run.start(...)` when training begins and `if run.log(...): break` once per iteration. Leaving the block,
+    normally or by an exception, writes everything; the exception then goes on to `main`."""
+
+    def __init__(self, args):
+        self.args = args
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = os.path.join("runs", self.name)
+        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
+        self.iteration = self.global_step = self.episodes = 0
+        self.recent_returns: deque[float] = deque(maxlen=100)
+        self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
+        self.target_reached = False
+
+    def __enter__(self) -> Run:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.created = self.start_time = time.perf_counter()
+        if self.args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(self.args), name=self.name, save_code=True)  # fmt: skip
+        self.writer = SummaryWriter(self.dir)
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        return self
+
+    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
+        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS)."""
+        self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        self.device = next(agent.parameters()).device
+        self.threshold = getattr(envs, "reward_threshold", None)
+        if self.args.progress_bar:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
+        if total_steps < self.args.total_timesteps:
+            self.note(
+                f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
+            )
+        self.total_steps, self.start_time = total_steps, time.perf_counter()
+
+    def note(self, message: str) -> None:
+        """One line to stderr that does not break the progress bar."""
+        (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
+
+    def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
+        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
+        loss; film when due. Returns True once the target return is reached."""
+        self.iteration += 1
+        self.global_step += env_steps
+        ended, returns, lengths = self.finished_episodes(rollout)
+        scalars = torch.stack(list(stats.values())).float()
+        episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
+        host = torch.cat((scalars, episodes.flatten())).cpu().numpy()  # the iteration's one host read
+        values = dict(zip(stats, host[: len(stats)].tolist()))
+        ended, returns, lengths = host[len(stats) :].reshape(3, -1)
+        returns, lengths = returns[ended > 0], lengths[ended > 0]
+        # explained variance is NaN by design when the returns are constant; every loss must be finite
+        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+            raise NonFiniteLossError(f"non-finite loss at iteration {self.iteration} (env step {self.global_step})")
+
+        self.recent_returns.extend(returns.tolist())
+        self.episodes += len(returns)
+        elapsed = time.perf_counter() - self.start_time
+        sps = int(self.global_step / elapsed)
+        full = len(self.recent_returns) == self.recent_returns.maxlen
+        mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
+        if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
+            self.solved_step, self.solved_seconds = self.global_step, elapsed
+
+        if len(returns):
+            self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
+            self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
+        self.writer.add_scalar("charts/learning_rate", self.optimizer.param_groups[0]["lr"], self.global_step)
+        self.writer.add_scalar("charts/SPS", sps, self.global_step)
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, self.global_step)
+        remaining = (self.total_steps - self.global_step) / max(sps, 1)
+        if self.iteration == 3 and remaining > 600:  # long defaults (Atari's 10M steps) should not surprise anyone
+            self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
+                      f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
+        if self.progress is not None:
+            self.progress.update(env_steps)
+            self.progress.set_postfix(SPS=sps, ret="-" if mean_recent is None else f"{mean_recent:.1f}", refresh=False)
+        interval = self.args.video_interval
+        if self.args.capture_video and interval and (self.iteration - 1) % interval == 0:  # iterations 1, 1+k, ...
+            path = self.record_video(rollout, self.iteration)
+            if path is not None and self.wandb is not None:
+                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+        target = self.args.target_return
+        self.target_reached = target is not None and full and mean_recent >= target
+        return self.target_reached
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = Status.INTERRUPTED
+        elif issubclass(exc_type, NonFiniteLossError):
+            status = Status.NON_FINITE_LOSS
+        else:
+            status = Status.ERROR
+        if self.progress is not None:
+            self.progress.total = self.progress.n  # the bar ends where training ended
+            self.progress.close()
+        elapsed = time.perf_counter() - self.start_time
+        summary = {  # the same keys in every script; None where a value does not apply
+            "env_id": self.args.env_id,
+            "exp_name": self.args.exp_name,
+            "seed": self.args.seed,
+            "device": self.args.device,
+            "status": status.value,
+            "total_env_steps": self.global_step,
+            "iterations": self.iteration,
+            "wall_seconds": round(elapsed, 3),
+            "setup_seconds": round(self.start_time - self.created, 3),  # before training: env, compilation
+            "mean_sps": round(self.global_step / elapsed, 1),
+            "episodes": self.episodes,
+            "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
+            "solved_threshold": self.threshold,
+            "solved_at_step": self.solved_step,
+            "solved_at_seconds": self.solved_seconds and round(self.solved_seconds, 3),
+            "eval_returns": None,
+            "eval_mean_return": None,
+            "model_path": None,
+        }
+        if self.agent is not None and status is not Status.NON_FINITE_LOSS:  # NaN weights are not worth keeping
+            if self.args.save_model:
+                summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
+                torch.save(self.agent.state_dict(), summary["model_path"])
+            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED):
+                summary["eval_returns"] = self.evaluate()
+                summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
+                self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
+        summary["args"] = asdict(self.args)
+        with open(os.path.join(self.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        print(self.result_line(summary))  # last, after W&B's own summary
+        return False  # exceptions go on to main
+
+    def result_line(self, s: dict) -> str:
+        mean = s["mean_return_last_100"]
+        line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
+        line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
+        if self.threshold is not None and self.solved_step is None:
+            line += f", did not reach {self.threshold:g}"
+        elif self.threshold is not None:
+            line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
+        if s["eval_mean_return"] is not None:
+            line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
+        return line + f"; outputs in {self.dir}"
+
+    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
+    def finished_episodes(self, rollout: Rollout):
+        """(ended, return, length), tensors of one shape: the games that ended during `rollout`, with their
+        real scores (unclipped rewards over all lives, see `GameStats`)."""
+        games = torch.tensor(rollout.games, dtype=torch.float32, device=self.device).view(-1, 2)
+        return torch.ones(len(games), dtype=torch.bool, device=self.device), games[:, 0], games[:, 1]
+
+    def evaluate(self) -> list[float]:
+        """Real score of one whole game in each of `eval-episodes` fresh envs under the sampling policy.
+
+        The envs lose lives as in training: after each lost life EnvPool's reset presses FIRE, which the
+        agent never learned to do (without it Breakout waits for FIRE until the 27000-step limit). A
+        game is over when its last life is lost or at the step limit; its score is the raw rewards' sum.
+        """
+        n = self.args.eval_episodes
+        envs = make_env(self.args.env_id, n, self.args.seed + 1)
+        game_stats, scores = GameStats(n), np.full(n, np.nan)
+        obs, info = envs.reset()
+        ids = info["env_id"]
+        while np.isnan(scores).any():
+            with torch.inference_mode():
+                action, _, _ = self.agent.get_action(torch.from_numpy(obs).to(self.device))
+            obs, _, _, truncated, info = envs.step(action.cpu().numpy(), ids)
+            ids, over = info["env_id"], game_over(info, truncated)
+            for env, (score, _) in zip(ids[over], game_stats.update(ids, info["reward"], over, info["elapsed_step"])):
+                if np.isnan(scores[env]):  # each env's first game: later ones would favour short games
+                    scores[env] = score
+        envs.close()
+        return scores.tolist()
+
+    def record_video(self, rollout: Rollout, iteration: int) -> str:
+        """A grid video of up to 16 envs' frames from `rollout`'s T steps; returns its path."""
+        path = os.path.join(self.dir, "videos", f"rollout_iter{iteration:05d}.mp4")
+        write_video(grid_video(rollout.obs[: len(rollout.obs) // 2]), path, fps=15)
+        return path
+
+
+def write_video(frames: np.ndarray, path: str, fps: int) -> None:
+    from moviepy import ImageSequenceClip
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
 
 
 def validate(args: Args) -> torch.device:
-    """Reject bad flags with one clear line (raised as UsageError); return the torch device."""
-    positive = ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs", "video_interval")
+    """Reject bad flags with one clear line (raised as UsageError) before anything is built; return the device."""
+    positive = ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs")
     for name in positive:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.eval_episodes < 0 or args.torch_threads < 0:
-        raise UsageError("--eval-episodes and --torch-threads must be >= 0")
+    if args.eval_episodes < 0 or args.torch_threads < 0 or args.video_interval < 0:
+        raise UsageError("--eval-episodes, --torch-threads and --video-interval must be >= 0")
     batch_size = args.num_envs * args.num_steps
     if batch_size < args.num_minibatches:
-        raise UsageError(f"--num-envs * --num-steps = {batch_size} is fewer than --num-minibatches {args.num_minibatches}")
+        raise UsageError(
+            f"--num-envs * --num-steps = {batch_size} is fewer than --num-minibatches {args.num_minibatches}"
+        )
     if args.total_timesteps < batch_size:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is smaller than one rollout ({batch_size} steps)")
     if args.async_envs and args.num_envs < 2:
@@ -331,6 +718,19 @@ def validate(args: Args) -> torch.device:
         if not (ok and math.isfinite(getattr(args, name) or 0.0)):
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     try:
+        import envpool
+    except ImportError:
+        raise UsageError("this script needs envpool: pip install envpool==1.2.5") from None
+    if args.env_id not in envpool.list_all_envs():
+        raise UsageError(f"unknown --env-id {args.env_id!r}: envpool.list_all_envs() lists the games (e.g. Pong-v5)")
+    if type(envpool.make_spec(args.env_id)).__name__ != "AtariEnvSpec":
+        raise UsageError(f"--env-id {args.env_id} is not an Atari game (e.g. Breakout-v5, Pong-v5)")
+    return validate_run_flags(args)
+
+
+def validate_run_flags(args) -> torch.device:
+    """The checks of the run-management flags, the same in all five scripts; returns the device."""
+    try:
         device = torch.device(args.device)
     except RuntimeError:
         raise UsageError(f"unknown --device {args.device!r}; use cpu or cuda") from None
@@ -347,247 +747,42 @@ def validate(args: Args) -> torch.device:
     return device
 
 
-def write_video(frames: np.ndarray, path: str, fps: int = 15) -> None:
-    from moviepy import ImageSequenceClip
+def available_cores() -> int:
+    """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
-    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
 
+def parse_args() -> Args:
+    """tyro's command line, with its parse errors turned into one `error: ...` line and exit code 2 like ours."""
+    flags = ["--" + field.replace("_", "-") for field in Args.__dataclass_fields__]
 
-def train(args: Args) -> Agent:
-    """Train PPO on the `--env-id` game and return the agent.
+    def one_line(event) -> None:  # tyro calls this instead of printing its error box
+        flag = "/".join(event.argument.lowered.name_or_flags) if getattr(event, "argument", None) else "arguments"
+        if hasattr(event, "choices"):
+            raise UsageError(f"unknown {flag} {event.value!r}; choose one of {', '.join(event.choices)}")
+        if hasattr(event, "tokens"):
+            guesses = [g for t in event.tokens for g in difflib.get_close_matches(t.split("=")[0], flags, n=1)]
+            hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
+            raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
+        reason = str(getattr(event, "reason", None) or getattr(event, "message", type(event).__name__))
+        raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
 
-    Writes TensorBoard events and summary.json to runs/<run>; re-raises KeyboardInterrupt after
-    writing everything, and raises NonFiniteLossError when the loss stops being finite.
-    """
-    device = validate(args)
-    if device.type == "cpu":
-        torch.set_num_threads(args.torch_threads or len(os.sched_getaffinity(0)))
-    # async: EnvPool hands back the first half of the envs that are ready while it emulates the rest
-    env_batch = args.num_envs // 2 if args.async_envs else args.num_envs
-    envs = make_env(args.env_id, args.num_envs, args.seed, batch_size=env_batch)
-    batch_size = args.num_envs * args.num_steps
-    num_iterations = args.total_timesteps // batch_size
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-            config=asdict(args), name=run_name, save_code=True,
-        )  # fmt: skip
-    writer = SummaryWriter(run_dir)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-
-    torch.manual_seed(args.seed)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    agent = Agent(envs.single_action_space.n, bf16=args.bf16).to(device, memory_format=memory_format)
-    if args.compile:  # compile the forward pass only, so the weights keep their plain names
-        agent.forward = torch.compile(agent.forward)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # eps: detail 3
-
-    # Rollout storage, one column per env, filled in each env's own order. In async mode envs come
-    # back in any order: every env fills its column up to row T (T steps plus the observation to
-    # bootstrap from). An env that gets there first is parked (its action is held back until the
-    # next rollout) as long as enough envs stay in flight for EnvPool to fill a batch; the few rows
-    # an env still runs past T are kept for the next rollout.
-    T, N = args.num_steps, args.num_envs
-    rows = 2 * T + 1  # room for envs that run ahead
-    obs_buf = torch.zeros((rows, N, 4, 84, 84), dtype=torch.uint8, device=device)
-    actions_buf = torch.zeros((rows, N), dtype=torch.long, device=device)
-    logprobs_buf = torch.zeros((rows, N), device=device)
-    values_buf = torch.zeros((rows, N), device=device)
-    rewards_buf = torch.zeros((rows, N), device=device)
-    terminated_buf = torch.zeros((rows, N), dtype=torch.bool, device=device)
-    dones_buf = torch.zeros_like(terminated_buf)
-    valid_buf = torch.zeros_like(terminated_buf)  # False for the reset step that follows a done
-    filled = np.zeros(N, dtype=np.int64)  # rows filled per env
-    parked = np.zeros(N, dtype=bool)  # envs whose last action waits for the next rollout
-    game_stats = GameStats(N)
-
-    recent_scores: deque[float] = deque(maxlen=100)
-    global_step, status, games = 0, "error", 0
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=num_iterations * batch_size, unit="step", unit_scale=True, dynamic_ncols=True)
-    envs.async_reset()
-    start_time = time.perf_counter()
-    try:
-        for iteration in range(1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-
-            finished_games = []
-            if parked.any():
-                ids = np.flatnonzero(parked)
-                envs.send(actions_buf[filled[ids] - 1, ids].cpu().numpy(), ids.astype(np.int32))
-                parked[:] = False
-            while filled.min() < T + 1:
-                obs, reward, terminated, truncated, info = envs.recv()
-                ids, done = info["env_id"], terminated | truncated
-                row = filled[ids]
-                if row.max() >= rows:
-                    raise RuntimeError("an async env ran more than a rollout ahead of the others")
-                # this step's reward and flags belong to each env's previous row (absent right after the first reset)
-                prev = row > 0
-                prev_rows, prev_ids = torch.from_numpy(row[prev] - 1), torch.from_numpy(ids[prev])
-                rewards_buf[prev_rows, prev_ids] = torch.from_numpy(reward[prev]).to(device)
-                terminated_buf[prev_rows, prev_ids] = torch.from_numpy(terminated[prev]).to(device)
-                dones_buf[prev_rows, prev_ids] = torch.from_numpy(done[prev]).to(device)
-                finished_games += game_stats.update(ids, info["reward"], (info["terminated"] == 1) | truncated, info["elapsed_step"])
-
-                obs_t = torch.from_numpy(obs).to(device)
-                with torch.inference_mode():
-                    action, logprob, value = agent.act(obs_t.contiguous(memory_format=memory_format))
-                # park envs that have their T+1 rows, keeping at least a batch of envs in flight
-                done_rows = row + 1 >= T + 1
-                room = N - env_batch - int(parked.sum())
-                park = done_rows & (np.cumsum(done_rows) <= room)
-                parked[ids[park]] = True
-                if not park.all():
-                    envs.send(action.cpu().numpy()[~park], ids[~park])
-                row_t, ids_t = torch.from_numpy(row), torch.from_numpy(ids)
-                obs_buf[row_t, ids_t] = obs_t
-                actions_buf[row_t, ids_t] = action
-                logprobs_buf[row_t, ids_t] = logprob
-                values_buf[row_t, ids_t] = value
-                # an env that has just reported done spends its next step resetting, whatever the action
-                valid_buf[row_t, ids_t] = torch.from_numpy(~done).to(device)
-                filled[ids] += 1
-                global_step += int(prev.sum())  # steps emulated; the first recv after the reset is none
-
-            with torch.no_grad():
-                # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
-                advantages, returns = compute_gae(
-                    rewards_buf[:T], values_buf[:T], values_buf[1 : T + 1], terminated_buf[:T], dones_buf[:T],
-                    args.gamma, args.gae_lambda,
-                )  # fmt: skip
-                valid = valid_buf[:T].reshape(-1)
-                b_obs = obs_buf[:T].reshape(-1, 4, 84, 84)[valid]
-                b_actions = actions_buf[:T].reshape(-1)[valid]
-                b_logprobs = logprobs_buf[:T].reshape(-1)[valid]
-                b_values = values_buf[:T].reshape(-1)[valid]
-                b_advantages, b_returns = advantages.reshape(-1)[valid], returns.reshape(-1)[valid]
-            video_frames = obs_buf[:T].clone() if args.capture_video and (iteration - 1) % args.video_interval == 0 else None
-            # keep the rows of envs that ran ahead (and row T, the start of every env's next rollout)
-            for buf in (obs_buf, actions_buf, logprobs_buf, values_buf, rewards_buf, terminated_buf, dones_buf, valid_buf):
-                buf[: rows - T] = buf[T:].clone()
-            filled -= T
-
-            n_valid = len(b_actions)
-            stats = torch.zeros(len(STAT_NAMES), device=device)
-            updates = 0
-            for _ in range(args.update_epochs):
-                # minibatches of the valid steps (their count varies a little: reset steps are left out)
-                perm = torch.randperm(n_valid, device=device)
-                for mb in perm.tensor_split(args.num_minibatches):
-                    loss, mb_stats = ppo_loss(
-                        agent, args, b_obs[mb].contiguous(memory_format=memory_format), b_actions[mb], b_logprobs[mb],
-                        b_advantages[mb], b_returns[mb], b_values[mb],
-                    )  # fmt: skip
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    stats += mb_stats
-                    epoch_kl = mb_stats[3]
-                    updates += 1
-                if args.target_kl is not None and epoch_kl.item() > args.target_kl:
-                    break
-
-            # the host reads of the iteration, for logging
-            explained_var = 1 - (b_returns - b_values).var() / b_returns.var()
-            *stats, explained_var = torch.cat((stats / updates, explained_var.view(1))).tolist()
-            if not all(math.isfinite(v) for v in stats):
-                status = "non-finite loss"
-                raise NonFiniteLossError(f"non-finite loss at iteration {iteration} (env step {global_step})")
-            recent_scores.extend(score for score, _ in finished_games)
-            games += len(finished_games)
-            elapsed = time.perf_counter() - start_time
-            sps = int(global_step / elapsed)
-            mean_recent = float(np.mean(recent_scores)) if recent_scores else float("nan")
-
-            if finished_games:
-                writer.add_scalar("charts/episodic_return", float(np.mean([s for s, _ in finished_games])), global_step)
-                writer.add_scalar("charts/episodic_length", float(np.mean([n for _, n in finished_games])), global_step)
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            for name, value in zip(STAT_NAMES, stats):
-                writer.add_scalar(name, value, global_step)
-            writer.add_scalar("losses/explained_variance", explained_var, global_step)
-            if progress is not None:
-                progress.update(batch_size)
-                progress.set_postfix(SPS=sps, score=f"{mean_recent:.1f}", refresh=False)
-
-            if video_frames is not None:
-                os.makedirs(os.path.join(run_dir, "videos"), exist_ok=True)
-                video_path = os.path.join(run_dir, "videos", f"rollout_iter{iteration:05d}.mp4")
-                write_video(grid_video(video_frames), video_path)
-                if args.track:
-                    wandb.log({"videos/rollout": wandb.Video(video_path, format="mp4")})
-
-            if args.target_return is not None and len(recent_scores) == 100 and mean_recent >= args.target_return:
-                status = "target return reached"
-                break
-        else:
-            status = "completed"
-    except KeyboardInterrupt:
-        status = "interrupted"
-    finally:
-        if progress is not None:
-            progress.close()
-        elapsed = time.perf_counter() - start_time
-        summary = {
-            "env_id": args.env_id,
-            "exp_name": args.exp_name,
-            "seed": args.seed,
-            "device": str(device),
-            "async_envs": args.async_envs,
-            "status": status,
-            "total_env_steps": global_step,
-            "wall_seconds": round(elapsed, 3),
-            "mean_sps": round(global_step / elapsed, 1) if elapsed > 0 else 0.0,
-            "games": games,
-            "mean_return_last_100": float(np.mean(recent_scores)) if recent_scores else None,
-        }
-        envs.close()
-        if status != "non-finite loss":  # NaN weights are not worth saving
-            if args.save_model:
-                model_path = os.path.join(run_dir, f"{args.exp_name}.cleanrl_model")
-                torch.save(agent.state_dict(), model_path)
-                summary["model_path"] = model_path
-            if args.eval_episodes and status in ("completed", "target return reached"):
-                eval_returns = evaluate_games(agent, args, device, memory_format)
-                summary["eval_returns"] = eval_returns
-                summary["eval_mean_return"] = float(np.mean(eval_returns))
-                writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], global_step)
-        summary["args"] = asdict(args)
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(
-            f"{status}: {global_step:,} steps in {elapsed:.1f} s ({summary['mean_sps']:,.0f} SPS); "
-            f"mean score of the last 100 games {summary['mean_return_last_100']} ({games} games); "
-            f"evaluation {summary.get('eval_mean_return', 'skipped')}; outputs in {run_dir}"
-        )
-        writer.close()
-        if args.track:
-            wandb.finish()
-    if status == "interrupted":
-        raise KeyboardInterrupt
-    return agent
+    with tyro._errors.on_parse_error(one_line):
+        return tyro.cli(Args)
 
 
 def main() -> None:
-    args = tyro.cli(Args)
     try:
+        args = parse_args()
+        device = validate(args)
+        if device.type == "cpu":  # process-wide, so set here rather than inside train()
+            torch.set_num_threads(args.torch_threads or available_cores())
         train(args)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except KeyboardInterrupt:

@@ -24,7 +24,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_atari_envpool as ours  # noqa: E402
-from common import machine, train_and_summarize  # noqa: E402
+from common import cores, machine, train_and_summarize  # noqa: E402
 
 
 @dataclass
@@ -55,7 +55,9 @@ def cleanrl_baseline(bench: BenchArgs, seed: int = 1) -> float:
     device = torch.device(bench.device)
     num_envs, num_steps = bench.num_envs, bench.num_steps
     batch, minibatch = num_envs * num_steps, num_envs * num_steps // 4
-    envs = envpool.make(bench.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, episodic_life=True, reward_clip=True)
+    envs = envpool.make(
+        bench.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, episodic_life=True, reward_clip=True
+    )
     torch.manual_seed(seed)
     np.random.seed(seed)
     agent = ours.Agent(envs.single_action_space.n).to(device)
@@ -123,7 +125,7 @@ def cleanrl_baseline(bench: BenchArgs, seed: int = 1) -> float:
 
 def main() -> None:
     bench = tyro.cli(BenchArgs)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(cores())
     dev = torch.device(bench.device).type
     base = cleanrl_baseline(bench)
     print(f"baseline {base:.0f}", file=sys.stderr)
@@ -137,8 +139,10 @@ def main() -> None:
     ):
         rows.append((name, run_ours(bench, **overrides)))
         print(f"{name} {rows[-1][1]:.0f}", file=sys.stderr)
-    print(f"\n`python {' '.join(sys.argv)}` on {machine(envpool)}; {bench.env_id}, {bench.num_envs} envs x "
-          f"{bench.num_steps} steps, 4 minibatches x 4 epochs, {bench.iterations} iterations, device {dev}\n")  # fmt: skip
+    setting = (
+        f"{bench.num_envs} envs x {bench.num_steps} steps, 4 minibatches x 4 epochs, {bench.iterations} iterations"
+    )
+    print(f"\n`python {' '.join(sys.argv)}` on {machine(envpool)}; {bench.env_id}, {setting}, device {dev}\n")
     print("| training loop | SPS | vs baseline |")
     print("|---|---|---|")
     for name, sps in rows:
