@@ -27,64 +27,42 @@ The update (Schulman et al. 2017; CleanRL's continuous-action details):
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)         s'_t: the real next state, also when
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}                       the episode was cut by the time limit
     L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ],  r_t(θ) = π_θ(a_t|s_t) / π_θold(a_t|s_t)
-    L       = L_clip - c_ent H[π_θ] + c_vf ½ E[(V_θ(s_t) - R_t)²]
+    L_V     = ½ E[(V_θ(s_t) - R_t)²],  R_t = Â_t + V_old(s_t)      (--clip-vloss: clipped around V_old as in PPO2)
+    L       = L_clip - c_ent H[π_θ] + c_vf L_V
 Defaults follow Brax's own PPO settings for many parallel envs (short unrolls, large batches,
-γ = 0.97, 4 epochs, 32 minibatches, ε = 0.3, lr 3e-4).
+γ = 0.97, 4 epochs, 32 minibatches, ε = 0.3, lr 3e-4, no value clipping).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import json
+import math
 import os
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Literal, NamedTuple, Optional, get_args
 
-# JAX grabs most of a GPU's memory when it starts unless told not to; torch needs its share.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# MuJoCo's renderer (for the MP4 of --capture-video) needs an offscreen OpenGL: EGL, not a window.
-os.environ.setdefault("MUJOCO_GL", "egl")
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
 
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections import deque  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Optional  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import tyro  # noqa: E402
+EnvId = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid", "inverted_pendulum", "inverted_double_pendulum",
+                "reacher", "pusher"]  # fmt: skip
+Backend = Literal["spring", "positional", "generalized", "mjx"]
 
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run folder's name)"""
-    seed: int = 1
-    """seed of the networks, the action sampling and the environments"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device for the policy and the update (cuda when available, else cpu)"""
-    torch_threads: int = 0
-    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "rl-ladder"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None uses your default"""
-    capture_video: bool = False
-    """after training (and every `video-interval` iterations), save brax's HTML viewer of one episode, and an MP4 where an offscreen renderer works"""
-    video_interval: int = 0
-    """iterations between two videos during training (0: only after training)"""
-    save_model: bool = False
-    """save the agent's weights and observation statistics to the run folder at the end (also on Ctrl-C)"""
-    eval_episodes: int = 16
-    """episodes of the deterministic (mean-action) policy evaluated after training (0 skips)"""
-    progress_bar: bool = True
-    """show a live progress bar with SPS and the recent return"""
-
-    env_id: str = "ant"
-    """the Brax environment: ant, halfcheetah, hopper, walker2d, humanoid, inverted_pendulum, inverted_double_pendulum, reacher, pusher"""
-    backend: str = "spring"
+    # Algorithm
+    env_id: EnvId = "ant"
+    """the Brax environment"""
+    backend: Backend = "spring"
     """the Brax physics pipeline: spring (fastest), positional, generalized (most accurate) or mjx"""
     episode_length: int = 1000
     """steps after which an episode is truncated"""
@@ -116,6 +94,8 @@ class Args:
     """scale rewards by a running std of the discounted return"""
     clip_coef: float = 0.3
     """surrogate clipping coefficient epsilon"""
+    clip_vloss: bool = False
+    """clip the value loss around the old values (off, as in Brax's PPO)"""
     ent_coef: float = 0.0
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
@@ -125,9 +105,33 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""
 
-
-BRAX_ENVS = ("ant", "halfcheetah", "hopper", "walker2d", "humanoid", "inverted_pendulum", "inverted_double_pendulum", "reacher", "pusher")
-BACKENDS = ("spring", "positional", "generalized", "mjx")
+    # Run management and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the networks, the action sampling and the environments"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device for the policy and the update (cuda when available, else cpu)"""
+    torch_threads: int = 0
+    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "rl-ladder"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None uses your default"""
+    capture_video: bool = False
+    """film one episode of the mean-action policy on a separate 1-env copy of the env, every `video-interval`
+    iterations and after training (with the evaluation): brax's HTML viewer, and an MP4 where an offscreen
+    renderer works"""
+    video_interval: int = 0
+    """iterations between two videos, the first at iteration 1 (0: only the video after training)"""
+    save_model: bool = False
+    """save the agent's weights and observation statistics to the run folder at the end (also on Ctrl-C)"""
+    eval_episodes: int = 16
+    """episodes of the deterministic (mean-action) policy evaluated after training (0 skips)"""
+    progress_bar: bool = True
+    """show a live progress bar with SPS and the recent return"""
 
 
 class UsageError(ValueError):
@@ -142,12 +146,51 @@ class NonFiniteLossError(RuntimeError):
 # Environment
 # ----------------------------------------------------------------------------------------------
 def import_brax():
+    """jax and brax.envs, imported on first use (the module loads without them) and after setting the
+    environment variables they read when they start: call it before anything imports jax or brax (MuJoCo
+    reads MUJOCO_GL once, on import; without it, rendering the MP4 aborts the process on a headless machine)."""
+    # JAX grabs most of a GPU's memory when it starts unless told not to; torch needs its share.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # MuJoCo's renderer (for the MP4 of --capture-video) needs an offscreen OpenGL: EGL, not a window.
+    os.environ.setdefault("MUJOCO_GL", "egl")
     try:
         import jax
         from brax import envs
     except ImportError:
         raise UsageError("this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2") from None
     return jax, envs
+
+
+@functools.cache
+def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
+    """The Brax env and jit(vmap(...)) of its reset and of a step with our auto-reset. Cached: another
+    BraxVecEnv of the same configuration reuses the compiled code."""
+    jax, envs = import_brax()
+    import jax.numpy as jnp
+
+    env = envs.get_environment(env_id, backend=backend)
+
+    def reset(key):
+        key, sub = jax.random.split(key)
+        state = jax.vmap(env.reset)(jax.random.split(sub, num_envs))
+        zeros = jnp.zeros(num_envs)
+        return state, zeros.astype(jnp.int32), zeros, key
+
+    def step(state, length, ret, key, action):
+        nxt = jax.vmap(env.step)(state, jnp.clip(action, -1.0, 1.0))
+        length, ret = length + 1, ret + nxt.reward
+        terminated = nxt.done > 0
+        truncated = (length >= episode_length) & ~terminated
+        done = terminated | truncated
+        # fresh random initial states for the finished envs (drawn for all: no data-dependent shapes under jit)
+        key, sub = jax.random.split(key)
+        fresh = jax.vmap(env.reset)(jax.random.split(sub, num_envs))
+        pick = lambda new, old: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)
+        state = jax.tree.map(pick, fresh, nxt)
+        out = (state.obs, nxt.reward, terminated, truncated, nxt.obs, ret, length)
+        return state, jnp.where(done, 0, length), jnp.where(done, 0.0, ret), key, out
+
+    return env, jax.jit(reset), jax.jit(step)
 
 
 class BraxVecEnv:
@@ -157,43 +200,24 @@ class BraxVecEnv:
     envs are reset inside `step` from fresh random keys; `info` holds, per env and valid where
     terminated | truncated: "final_obs" (the real last observation), "episode_return",
     "episode_length". Arrays cross between JAX and torch through DLPack, without copies when both
-    live on the same device.
+    live on the same device. Building one compiles reset and step (seconds to a minute).
     """
 
     def __init__(self, env_id: str, backend: str, num_envs: int, episode_length: int, device, seed: int):
-        jax, envs = import_brax()
-        import jax.numpy as jnp
-
-        self.jax, self.device = jax, torch.device(device)
+        jax, _ = import_brax()
+        self.jax = jax
+        self.env, self._reset, self._step = jitted_env(env_id, backend, num_envs, episode_length)
+        self.device = torch.device(device)
         # where JAX computes; torch tensors on another device are moved (copied) across
         self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")
-        self.env = envs.get_environment(env_id, backend=backend)
         self.num_envs, self.max_episode_steps = num_envs, episode_length
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
-        env = self.env
-
-        def reset(key):
-            key, sub = jax.random.split(key)
-            state = jax.vmap(env.reset)(jax.random.split(sub, num_envs))
-            zeros = jnp.zeros(num_envs)
-            return state, zeros.astype(jnp.int32), zeros, key
-
-        def step(state, length, ret, key, action):
-            nxt = jax.vmap(env.step)(state, jnp.clip(action, -1.0, 1.0))
-            length, ret = length + 1, ret + nxt.reward
-            terminated = nxt.done > 0
-            truncated = (length >= episode_length) & ~terminated
-            done = terminated | truncated
-            # fresh random initial states for the finished envs (drawn for all: no data-dependent shapes under jit)
-            key, sub = jax.random.split(key)
-            fresh = jax.vmap(env.reset)(jax.random.split(sub, num_envs))
-            pick = lambda new, old: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
-            state = jax.tree.map(pick, fresh, nxt)
-            out = (state.obs, nxt.reward, terminated, truncated, nxt.obs, ret, length)
-            return state, jnp.where(done, 0, length), jnp.where(done, 0.0, ret), key, out
-
-        self._reset, self._step = jax.jit(reset), jax.jit(step)
-        self._key = jax.random.PRNGKey(seed)
+        # A key committed to JAX's device, as the arrays that reset and step return are: with an uncommitted
+        # one, the first reset and step would be compiled a second time for those.
+        self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[0])
+        # compile now rather than in the first training steps: a reset and a step (reset() starts afresh)
+        state, length, ret, key = self._reset(self._key)
+        self._key = self._step(state, length, ret, key, self.to_jax(torch.zeros(num_envs, self.action_dim)))[3]
         self.state = None
 
     def to_torch(self, x) -> torch.Tensor:
@@ -217,10 +241,11 @@ class BraxVecEnv:
 
 
 # ----------------------------------------------------------------------------------------------
-# Networks
+# Agent
 # ----------------------------------------------------------------------------------------------
 class RunningMeanStd(nn.Module):
-    """Running mean and variance over batches (Chan et al.'s parallel update), kept as buffers so they save with the model."""
+    """Running mean and variance over batches (Chan et al.'s parallel update), kept as buffers so they save
+    with the model."""
 
     def __init__(self, shape=(), epsilon: float = 1e-4):
         super().__init__()
@@ -248,30 +273,38 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
-class Agent(nn.Module):
-    """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation statistics."""
+def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
+    """A 64-64 tanh network whose output layer starts at scale `out_std`."""
+    return nn.Sequential(
+        layer_init(nn.Linear(in_dim, 64)), nn.Tanh(),
+        layer_init(nn.Linear(64, 64)), nn.Tanh(),
+        layer_init(nn.Linear(64, out_dim), std=out_std),
+    )  # fmt: skip
 
-    def __init__(self, obs_dim: int, action_dim: int):
+
+class Agent(nn.Module):
+    """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation
+    statistics. The networks take normalised observations: `normalize` them first."""
+
+    def __init__(self, obs_dim: int, action_dim: int, norm_obs: bool = True):
         super().__init__()
+        self.norm_obs = norm_obs
         self.obs_rms = RunningMeanStd((obs_dim,))
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 1), std=1.0),
-        )  # fmt: skip
-        self.actor_mean = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, action_dim), std=0.01),
-        )  # fmt: skip
+        self.critic = mlp(obs_dim, 1, out_std=1.0)
+        self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
+
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
+        """Observations scaled by the running mean and std (unchanged with --no-norm-obs)."""
+        return self.obs_rms.normalize(obs) if self.norm_obs else obs
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
-    def get_action(self, obs: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+    def get_action(self, obs: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """A sampled action, or with `greedy` the mean action."""
         mean = self.actor_mean(obs)
-        return mean if deterministic else mean + self.actor_logstd.exp() * torch.randn_like(mean)
+        return mean if greedy else mean + self.actor_logstd.exp() * torch.randn_like(mean)
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor):
         """Log-probability of `action`, entropy, and value (diagonal Gaussian, summed over action dims)."""
@@ -284,6 +317,78 @@ class Agent(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Algorithm
 # ----------------------------------------------------------------------------------------------
+class Rollout(NamedTuple):
+    """T steps of N envs, preallocated on the device."""
+
+    raw_obs: torch.Tensor  # (T, N, obs_dim) the observations as the envs returned them
+    obs: torch.Tensor  # (T, N, obs_dim) the same, normalised: what each action was chosen on
+    actions: torch.Tensor  # (T, N, action_dim)
+    rewards: torch.Tensor  # (T, N) scaled with --norm-reward
+    terminated: torch.Tensor  # (T, N) the episode failed at this step: no future to bootstrap
+    dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
+    final_obs: torch.Tensor  # (T, N, obs_dim) s'_t, the real next state (before any auto-reset), normalised
+    episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
+    episode_length: torch.Tensor  # (T, N)
+
+    @staticmethod
+    def empty(num_steps: int, num_envs: int, obs_dim: int, action_dim: int, device: torch.device) -> Rollout:
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
+
+        return Rollout(zeros(obs_dim), zeros(obs_dim), zeros(action_dim), zeros(), zeros(dtype=torch.bool),
+                       zeros(dtype=torch.bool), zeros(obs_dim), zeros(), zeros(dtype=torch.int32))  # fmt: skip
+
+
+class Batch(NamedTuple):
+    """A rollout flattened to T*N samples, with what the loss needs."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor  # log π_old(a|s)
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    values: torch.Tensor  # V_old(s)
+
+
+class RewardScaler:
+    """Divides rewards by a running std of the discounted return, each env's return so far discounted by
+    γ and restarted at the end of each episode (as gymnasium's NormalizeReward)."""
+
+    def __init__(self, num_envs: int, gamma: float, device: torch.device):
+        self.gamma, self.return_rms = gamma, RunningMeanStd().to(device)
+        self.discounted_return = torch.zeros(num_envs, device=device)
+
+    def __call__(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        self.discounted_return = self.discounted_return * self.gamma + reward
+        self.return_rms.update(self.discounted_return)
+        self.discounted_return = self.discounted_return.masked_fill(done, 0.0)
+        return reward / torch.sqrt(self.return_rms.var.float() + 1e-8)
+
+
+@torch.no_grad()
+def collect_rollout(agent: Agent, envs: BraxVecEnv, raw_obs: torch.Tensor, rollout: Rollout, scale_reward=None):
+    """Step every env T times with the current policy, filling `rollout`; return the next raw observation.
+
+    The policy sees observations normalised with the statistics of the earlier rollouts; this
+    rollout's raw observations update them at the end. `scale_reward` (a RewardScaler) scales rewards.
+    """
+    for t in range(len(rollout.obs)):
+        rollout.raw_obs[t] = raw_obs
+        rollout.obs[t] = obs = agent.normalize(raw_obs)
+        action = agent.get_action(obs)
+        raw_obs, reward, terminated, truncated, info = envs.step(action)
+        rollout.actions[t] = action
+        rollout.rewards[t] = reward if scale_reward is None else scale_reward(reward, terminated | truncated)
+        rollout.terminated[t] = terminated
+        rollout.dones[t] = terminated | truncated
+        rollout.final_obs[t] = agent.normalize(info["final_obs"])
+        rollout.episode_return[t] = info["episode_return"]
+        rollout.episode_length[t] = info["episode_length"]
+    if agent.norm_obs:
+        agent.obs_rms.update(rollout.raw_obs)
+    return raw_obs
+
+
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
     """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns).
 
@@ -301,78 +406,340 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, g
     return advantages, advantages + values
 
 
-def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, returns):
-    """Clipped-surrogate PPO loss for one minibatch; returns (loss, detached statistics)."""
+def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, returns, old_values):
+    """Clipped-surrogate PPO loss for one minibatch; returns (loss, statistics keyed by TensorBoard tag)."""
     newlogprob, entropy, newvalue = agent.evaluate(obs, actions)
     logratio = newlogprob - old_logprobs
     ratio = logratio.exp()
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()  # the k3 estimator (detail 12)
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
     if args.norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    v_loss = 0.5 * (newvalue - returns).square().mean()
+    if args.clip_vloss:
+        v_clipped = old_values + (newvalue - old_values).clamp(-args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max((newvalue - returns).square(), (v_clipped - returns).square()).mean()
+    else:
+        v_loss = 0.5 * (newvalue - returns).square().mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
-    stats = torch.stack((pg_loss, v_loss, entropy_loss, approx_kl, clipfrac, loss)).detach()
-    return loss, stats
+    stats = {"losses/policy_loss": pg_loss, "losses/value_loss": v_loss, "losses/entropy": entropy_loss,
+             "losses/approx_kl": approx_kl, "losses/clipfrac": clipfrac, "losses/total_loss": loss}  # fmt: skip
+    return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-STAT_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac", "losses/total_loss")
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
+    returns are constant (as in CleanRL), where the ratio means nothing."""
+    var_returns = returns.var()
+    return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
-def evaluate_deterministic(agent: Agent, envs: BraxVecEnv, args: Args, num_episodes: int) -> list[float]:
-    """Return of the first episode of `num_episodes` envs of the batch under the mean action (resets `envs`)."""
-    obs, _ = envs.reset()
-    returns = torch.full((envs.num_envs,), float("nan"), device=obs.device)
-    with torch.no_grad():
-        for _ in range(envs.max_episode_steps):
-            action = agent.get_action(agent.obs_rms.normalize(obs) if args.norm_obs else obs, deterministic=True)
-            obs, _, terminated, truncated, info = envs.step(action)
-            returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
-            if not returns[:num_episodes].isnan().any():
+def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), each step with global
+    gradient clipping (detail 11), ending early once the approximate KL exceeds `target-kl`.
+    Returns the mean of each loss statistic and the critic's explained variance."""
+    minibatch_size = len(batch.actions) // args.num_minibatches
+    history = []
+    for _ in range(args.update_epochs):
+        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).split(minibatch_size):
+            loss, stats = ppo_loss(agent, args, *(x[idx] for x in batch))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            history.append(stats)
+        if args.target_kl is not None and stats["losses/approx_kl"] > args.target_kl:  # a host read per epoch
+            break
+    means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
+    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
+
+
+def train(args: Args) -> Agent:
+    """Train PPO on the `--env-id` Brax env and return the agent.
+
+    Building the envs compiles their reset and step (set-up time, not counted in SPS). `Run` writes the
+    outputs; Ctrl-C (KeyboardInterrupt) and a non-finite loss end the run with everything written.
+    """
+    device = torch.device(args.device)
+    T, N = args.num_steps, args.num_envs
+    num_iterations = args.total_timesteps // (T * N)
+    with Run(args) as run:
+        torch.manual_seed(args.seed)
+        envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed)
+        agent = Agent(envs.obs_dim, envs.action_dim, norm_obs=args.norm_obs).to(device)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
+        rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
+        raw_obs, _ = envs.reset()
+        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N)
+        for iteration in range(1, num_iterations + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            raw_obs = collect_rollout(agent, envs, raw_obs, rollout, scale_reward)
+            b_obs, b_actions = rollout.obs.view(T * N, -1), rollout.actions.view(T * N, -1)
+            with torch.no_grad():  # π_old and V_old in batched passes over the whole rollout
+                b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
+                next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)
+            advantages, returns = compute_gae(rollout.rewards, b_values.view(T, N), next_values, rollout.terminated,
+                                              rollout.dones, args.gamma, args.gae_lambda)  # fmt: skip
+            batch = Batch(b_obs, b_actions, b_logprobs, advantages.view(-1), returns.view(-1), b_values)
+            stats = update(agent, optimizer, batch, args)
+            if run.log(T * N, stats, rollout):  # True once the target return is reached
                 break
-    return returns[:num_episodes].tolist()
+    return agent
 
 
-def record_episode(agent: Agent, envs: BraxVecEnv, args: Args, path: str) -> str:
-    """Play one episode of env 0 with the mean action; write brax's HTML viewer, and an MP4 if an
-    offscreen renderer works. Returns a one-line report. Resets `envs`."""
-    from brax.io import html
+# ----------------------------------------------------------------------------------------------
+# Run management: the same code in all five scripts, but for the part marked environment-specific
+# ----------------------------------------------------------------------------------------------
+class Status(str, Enum):
+    COMPLETED = "completed"
+    TARGET_REACHED = "target return reached"
+    INTERRUPTED = "interrupted"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
 
-    jax = envs.jax
-    obs, _ = envs.reset()
-    states = []
-    with torch.no_grad():
-        for _ in range(envs.max_episode_steps):
-            states.append(jax.tree.map(lambda x: x[0], envs.state.pipeline_state))
-            action = agent.get_action(agent.obs_rms.normalize(obs) if args.norm_obs else obs, deterministic=True)
-            obs, _, terminated, truncated, _ = envs.step(action)
-            if bool(terminated[0] | truncated[0]):
-                break
-    with open(path + ".html", "w") as f:
-        f.write(html.render(envs.env.sys, states))
-    try:
-        from brax.io import image
-        from moviepy import ImageSequenceClip
 
-        frames = image.render_array(envs.env.sys, states, width=320, height=240)
-        ImageSequenceClip(list(frames), fps=int(round(1 / envs.env.dt))).write_videofile(path + ".mp4", codec="libx264", audio=False, logger=None)
-        return f"wrote {path}.html and {path}.mp4"
-    except Exception as e:  # no OpenGL context: headless machine without EGL/OSMesa
-        return f"no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl on a GPU machine): kept {path}.html"
+class Run:
+    """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
+    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, the model, the
+    final evaluation, summary.json and Ctrl-C. `train` opens it with `with Run(args) as run:`, calls
+    `run.start(...)` when training begins and `if run.log(...): break` once per iteration. Leaving the block,
+    normally or by an exception, writes everything; the exception then goes on to `main`."""
+
+    def __init__(self, args):
+        self.args = args
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = os.path.join("runs", self.name)
+        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
+        self.iteration = self.global_step = self.episodes = 0
+        self.recent_returns: deque[float] = deque(maxlen=100)
+        self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
+        self.target_reached = False
+
+    def __enter__(self) -> Run:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.created = self.start_time = time.perf_counter()
+        if self.args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(self.args), name=self.name, save_code=True)  # fmt: skip
+        self.writer = SummaryWriter(self.dir)
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        return self
+
+    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
+        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS)."""
+        self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        self.device = next(agent.parameters()).device
+        self.threshold = getattr(envs, "reward_threshold", None)
+        if self.args.progress_bar:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
+        if total_steps < self.args.total_timesteps:
+            self.note(
+                f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
+            )
+        self.total_steps, self.start_time = total_steps, time.perf_counter()
+
+    def note(self, message: str) -> None:
+        """One line to stderr that does not break the progress bar."""
+        (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
+
+    def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
+        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
+        loss; film when due. Returns True once the target return is reached."""
+        self.iteration += 1
+        self.global_step += env_steps
+        ended, returns, lengths = self.finished_episodes(rollout)
+        scalars = torch.stack(list(stats.values())).float()
+        episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
+        host = torch.cat((scalars, episodes.flatten())).cpu().numpy()  # the iteration's one host read
+        values = dict(zip(stats, host[: len(stats)].tolist()))
+        ended, returns, lengths = host[len(stats) :].reshape(3, -1)
+        returns, lengths = returns[ended > 0], lengths[ended > 0]
+        # explained variance is NaN by design when the returns are constant; every loss must be finite
+        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+            raise NonFiniteLossError(f"non-finite loss at iteration {self.iteration} (env step {self.global_step})")
+
+        self.recent_returns.extend(returns.tolist())
+        self.episodes += len(returns)
+        elapsed = time.perf_counter() - self.start_time
+        sps = int(self.global_step / elapsed)
+        full = len(self.recent_returns) == self.recent_returns.maxlen
+        mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
+        if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
+            self.solved_step, self.solved_seconds = self.global_step, elapsed
+
+        if len(returns):
+            self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
+            self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
+        self.writer.add_scalar("charts/learning_rate", self.optimizer.param_groups[0]["lr"], self.global_step)
+        self.writer.add_scalar("charts/SPS", sps, self.global_step)
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, self.global_step)
+        remaining = (self.total_steps - self.global_step) / max(sps, 1)
+        if self.iteration == 3 and remaining > 600:  # long defaults (Atari's 10M steps) should not surprise anyone
+            self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
+                      f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
+        if self.progress is not None:
+            self.progress.update(env_steps)
+            self.progress.set_postfix(SPS=sps, ret="-" if mean_recent is None else f"{mean_recent:.1f}", refresh=False)
+        interval = self.args.video_interval
+        if self.args.capture_video and interval and (self.iteration - 1) % interval == 0:  # iterations 1, 1+k, ...
+            path = self.record_video(rollout, self.iteration)
+            if path is not None and self.wandb is not None:
+                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+        target = self.args.target_return
+        self.target_reached = target is not None and full and mean_recent >= target
+        return self.target_reached
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = Status.INTERRUPTED
+        elif issubclass(exc_type, NonFiniteLossError):
+            status = Status.NON_FINITE_LOSS
+        else:
+            status = Status.ERROR
+        if self.progress is not None:
+            self.progress.total = self.progress.n  # the bar ends where training ended
+            self.progress.close()
+        elapsed = time.perf_counter() - self.start_time
+        summary = {  # the same keys in every script; None where a value does not apply
+            "env_id": self.args.env_id,
+            "exp_name": self.args.exp_name,
+            "seed": self.args.seed,
+            "device": self.args.device,
+            "status": status.value,
+            "total_env_steps": self.global_step,
+            "iterations": self.iteration,
+            "wall_seconds": round(elapsed, 3),
+            "setup_seconds": round(self.start_time - self.created, 3),  # before training: env, compilation
+            "mean_sps": round(self.global_step / elapsed, 1),
+            "episodes": self.episodes,
+            "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
+            "solved_threshold": self.threshold,
+            "solved_at_step": self.solved_step,
+            "solved_at_seconds": self.solved_seconds and round(self.solved_seconds, 3),
+            "eval_returns": None,
+            "eval_mean_return": None,
+            "model_path": None,
+        }
+        if self.agent is not None and status is not Status.NON_FINITE_LOSS:  # NaN weights are not worth keeping
+            if self.args.save_model:
+                summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
+                torch.save(self.agent.state_dict(), summary["model_path"])
+            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED):
+                summary["eval_returns"] = self.evaluate()
+                summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
+                self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
+        summary["args"] = asdict(self.args)
+        with open(os.path.join(self.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        print(self.result_line(summary))  # last, after W&B's own summary
+        return False  # exceptions go on to main
+
+    def result_line(self, s: dict) -> str:
+        mean = s["mean_return_last_100"]
+        line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
+        line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
+        if self.threshold is not None and self.solved_step is None:
+            line += f", did not reach {self.threshold:g}"
+        elif self.threshold is not None:
+            line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
+        if s["eval_mean_return"] is not None:
+            line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
+        return line + f"; outputs in {self.dir}"
+
+    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
+    def finished_episodes(self, rollout: Rollout):
+        """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
+        return rollout.dones, rollout.episode_return, rollout.episode_length
+
+    def evaluate(self) -> list[float]:
+        """Return of the first episode of `eval-episodes` of the training envs (reset: training is over) under
+        the mean action; then, with --capture-video, the video of one more episode (uploaded with --track)."""
+        n, envs, agent = self.args.eval_episodes, self.envs, self.agent
+        obs, _ = envs.reset()
+        returns = torch.full((envs.num_envs,), float("nan"), device=self.device)
+        with torch.no_grad():
+            for _ in range(envs.max_episode_steps):
+                obs, _, terminated, truncated, info = envs.step(agent.get_action(agent.normalize(obs), greedy=True))
+                returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
+                if not returns[:n].isnan().any():
+                    break
+        path = self.film("episode_final") if self.args.capture_video else None
+        if path is not None and self.wandb is not None:
+            self.wandb.log({"videos/final": self.wandb.Video(path, format="mp4")})
+        return returns[:n].tolist()
+
+    def record_video(self, rollout: Rollout, iteration: int) -> str | None:
+        """One episode under the mean action, played on a separate 1-env copy of the env so that the training
+        envs' episodes go on undisturbed; returns the MP4's path (None where no offscreen renderer works)."""
+        return self.film(f"episode_iter{iteration:05d}")
+
+    def film(self, name: str) -> str | None:
+        """Play one episode on the video env and write brax's HTML viewer of it to videos/{name}.html and,
+        where an offscreen renderer works, videos/{name}.mp4."""
+        from brax.io import html
+
+        if not hasattr(self, "video_env"):  # built on the first video; its compilation counts as set-up, not training
+            built = time.perf_counter()
+            self.video_env = BraxVecEnv(self.args.env_id, self.args.backend, 1, self.args.episode_length,
+                                        self.device, self.args.seed + 1)  # fmt: skip
+            self.start_time += time.perf_counter() - built
+        env, agent, states = self.video_env, self.agent, []
+        obs, _ = env.reset()
+        with torch.no_grad():
+            for _ in range(env.max_episode_steps):
+                states.append(env.jax.tree.map(lambda x: x[0], env.state.pipeline_state))
+                obs, _, terminated, truncated, _ = env.step(agent.get_action(agent.normalize(obs), greedy=True))
+                if bool(terminated[0] | truncated[0]):
+                    break
+        path = os.path.join(self.dir, "videos", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".html", "w") as f:
+            f.write(html.render(env.env.sys, states))
+        try:
+            from brax.io import image
+
+            frames = image.render_array(env.env.sys, states, width=320, height=240)
+        except Exception as e:  # no OpenGL context: a headless machine without EGL or OSMesa
+            self.note(f"no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl on a GPU machine): "
+                      f"kept {path}.html")  # fmt: skip
+            return None
+        write_video(frames, path + ".mp4", fps=int(round(1 / env.env.dt)))
+        return path + ".mp4"
+
+
+def write_video(frames: np.ndarray, path: str, fps: int) -> None:
+    from moviepy import ImageSequenceClip
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
 
 
 def validate(args: Args) -> torch.device:
-    """Reject bad flags with one clear line (raised as UsageError); return the torch device."""
+    """Reject bad flags with one clear line (raised as UsageError) before anything is built; return the device."""
     positive = ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs", "episode_length")
     for name in positive:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.eval_episodes < 0 or args.torch_threads < 0 or args.video_interval < 0:
         raise UsageError("--eval-episodes, --torch-threads and --video-interval must be >= 0")
-    if args.eval_episodes > args.num_envs:
+    if args.eval_episodes > args.num_envs:  # the evaluation plays on the training envs
         raise UsageError(f"--eval-episodes {args.eval_episodes} is more than --num-envs {args.num_envs}")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
@@ -393,10 +760,15 @@ def validate(args: Args) -> torch.device:
     ):
         if not (ok and math.isfinite(getattr(args, name) or 0.0)):
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    if args.env_id not in BRAX_ENVS:
-        raise UsageError(f"unknown --env-id {args.env_id!r}; choose one of {', '.join(BRAX_ENVS)}")
-    if args.backend not in BACKENDS:
-        raise UsageError(f"unknown --backend {args.backend!r}; choose one of {', '.join(BACKENDS)}")
+    for flag, value, choice in (("env-id", args.env_id, EnvId), ("backend", args.backend, Backend)):
+        if value not in get_args(choice):  # tyro checks the command line; Args(...) built in code come here unchecked
+            raise UsageError(f"unknown --{flag} {value!r}; choose one of {', '.join(get_args(choice))}")
+    import_brax()
+    return validate_run_flags(args)
+
+
+def validate_run_flags(args) -> torch.device:
+    """The checks of the run-management flags, the same in all five scripts; returns the device."""
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -411,221 +783,45 @@ def validate(args: Args) -> torch.device:
                 __import__(module)
             except ImportError:
                 raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
-    import_brax()
     return device
 
 
-def train(args: Args) -> Agent:
-    """Train PPO on the `--env-id` Brax env and return the agent.
+def available_cores() -> int:
+    """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
-    Writes TensorBoard events and summary.json to runs/<run>; re-raises KeyboardInterrupt after
-    writing everything, and raises NonFiniteLossError when the loss stops being finite.
-    """
-    device = validate(args)
-    if device.type == "cpu":
-        torch.set_num_threads(args.torch_threads or len(os.sched_getaffinity(0)))
-    batch_size = args.num_envs * args.num_steps
-    minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // batch_size
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
 
-    from torch.utils.tensorboard import SummaryWriter
+def parse_args() -> Args:
+    """tyro's command line, with its parse errors turned into one `error: ...` line and exit code 2 like ours."""
+    flags = ["--" + field.replace("_", "-") for field in Args.__dataclass_fields__]
 
-    if args.track:
-        import wandb
+    def one_line(event) -> None:  # tyro calls this instead of printing its error box
+        flag = "/".join(event.argument.lowered.name_or_flags) if getattr(event, "argument", None) else "arguments"
+        if hasattr(event, "choices"):
+            raise UsageError(f"unknown {flag} {event.value!r}; choose one of {', '.join(event.choices)}")
+        if hasattr(event, "tokens"):
+            guesses = [g for t in event.tokens for g in difflib.get_close_matches(t.split("=")[0], flags, n=1)]
+            hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
+            raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
+        reason = str(getattr(event, "reason", None) or getattr(event, "message", type(event).__name__))
+        raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
 
-        wandb.init(
-            project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-            config=asdict(args), name=run_name, save_code=True,
-        )  # fmt: skip
-    writer = SummaryWriter(run_dir)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-
-    torch.manual_seed(args.seed)
-    envs = BraxVecEnv(args.env_id, args.backend, args.num_envs, args.episode_length, device, args.seed)
-    agent = Agent(envs.obs_dim, envs.action_dim).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-    return_rms = RunningMeanStd().to(device)  # of the discounted return, for reward scaling
-    discounted_return = torch.zeros(args.num_envs, device=device)
-
-    # rollout storage, preallocated on the device
-    T, N = args.num_steps, args.num_envs
-    obs_buf = torch.zeros((T, N, envs.obs_dim), device=device)  # normalised as the policy saw them
-    final_obs_buf = torch.zeros_like(obs_buf)
-    actions_buf = torch.zeros((T, N, envs.action_dim), device=device)
-    rewards_buf = torch.zeros((T, N), device=device)
-    terminated_buf = torch.zeros((T, N), dtype=torch.bool, device=device)
-    dones_buf = torch.zeros_like(terminated_buf)
-    ep_return_buf = torch.zeros((T, N), device=device)
-    ep_length_buf = torch.zeros((T, N), dtype=torch.int32, device=device)
-
-    def normalize(x):
-        return agent.obs_rms.normalize(x) if args.norm_obs else x
-
-    recent_returns: deque[float] = deque(maxlen=100)
-    global_step, status, episodes = 0, "error", 0
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=num_iterations * batch_size, unit="step", unit_scale=True, dynamic_ncols=True)
-    compile_start = time.perf_counter()
-    raw_obs, _ = envs.reset()
-    envs.step(torch.zeros(N, envs.action_dim, device=device))  # jit-compile reset and step before the clock starts
-    raw_obs, _ = envs.reset()
-    compile_seconds = time.perf_counter() - compile_start
-    start_time = time.perf_counter()
-    try:
-        for iteration in range(1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-
-            with torch.no_grad():
-                raw_obs_seen = []
-                for t in range(T):
-                    obs = normalize(raw_obs)
-                    obs_buf[t] = obs
-                    raw_obs_seen.append(raw_obs)
-                    action = agent.get_action(obs)
-                    raw_obs, reward, terminated, truncated, info = envs.step(action)
-                    done = terminated | truncated
-                    if args.norm_reward:
-                        discounted_return = discounted_return * args.gamma + reward
-                        return_rms.update(discounted_return)
-                        discounted_return = discounted_return.masked_fill(done, 0.0)
-                        reward = reward / torch.sqrt(return_rms.var.float() + 1e-8)
-                    actions_buf[t] = action
-                    rewards_buf[t] = reward
-                    terminated_buf[t] = terminated
-                    dones_buf[t] = done
-                    final_obs_buf[t] = normalize(info["final_obs"])
-                    ep_return_buf[t] = info["episode_return"]
-                    ep_length_buf[t] = info["episode_length"]
-                global_step += batch_size
-
-                b_obs = obs_buf.view(batch_size, -1)
-                b_actions = actions_buf.view(batch_size, -1)
-                b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
-                next_values = agent.get_value(final_obs_buf.view(batch_size, -1)).view(T, N)
-                advantages, returns = compute_gae(
-                    rewards_buf, b_values.view(T, N), next_values, terminated_buf, dones_buf, args.gamma, args.gae_lambda
-                )
-                if args.norm_obs:  # statistics for the next rollout, from the raw observations of this one
-                    agent.obs_rms.update(torch.stack(raw_obs_seen))
-            b_advantages, b_returns = advantages.view(-1), returns.view(-1)
-
-            stats = torch.zeros(len(STAT_NAMES), device=device)
-            updates = 0
-            for _ in range(args.update_epochs):
-                perm = torch.randperm(batch_size, device=device)  # shuffled on the device
-                for start in range(0, batch_size, minibatch_size):
-                    mb = perm[start : start + minibatch_size]
-                    loss, mb_stats = ppo_loss(agent, args, b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb])
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    stats += mb_stats
-                    epoch_kl = mb_stats[3]
-                    updates += 1
-                if args.target_kl is not None and epoch_kl.item() > args.target_kl:
-                    break
-
-            # the host reads of the iteration, for logging: losses and the finished episodes
-            explained_var = 1 - (b_returns - b_values).var() / b_returns.var()
-            *stats, explained_var = torch.cat((stats / updates, explained_var.view(1))).tolist()
-            if not all(math.isfinite(v) for v in stats):
-                status = "non-finite loss"
-                raise NonFiniteLossError(f"non-finite loss at iteration {iteration} (env step {global_step})")
-            finished = torch.stack((ep_return_buf, ep_length_buf.float()), dim=-1)[dones_buf].tolist()
-            done_returns = [r for r, _ in finished]
-            done_lengths = [l for _, l in finished]
-            recent_returns.extend(done_returns)
-            episodes += len(done_returns)
-            elapsed = time.perf_counter() - start_time
-            sps = int(global_step / elapsed)
-            mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
-
-            if done_returns:
-                writer.add_scalar("charts/episodic_return", float(np.mean(done_returns)), global_step)
-                writer.add_scalar("charts/episodic_length", float(np.mean(done_lengths)), global_step)
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            for name, value in zip(STAT_NAMES, stats):
-                writer.add_scalar(name, value, global_step)
-            writer.add_scalar("losses/explained_variance", explained_var, global_step)
-            if progress is not None:
-                progress.update(batch_size)
-                progress.set_postfix(SPS=sps, ret=f"{mean_recent:.1f}", refresh=False)
-
-            if args.capture_video and args.video_interval and iteration % args.video_interval == 0:
-                os.makedirs(os.path.join(run_dir, "videos"), exist_ok=True)
-                print(record_episode(agent, envs, args, os.path.join(run_dir, "videos", f"episode_iter{iteration:05d}")))
-                raw_obs, _ = envs.reset()
-
-            if args.target_return is not None and len(recent_returns) == 100 and mean_recent >= args.target_return:
-                status = "target return reached"
-                break
-        else:
-            status = "completed"
-    except KeyboardInterrupt:
-        status = "interrupted"
-    finally:
-        if progress is not None:
-            progress.close()
-        elapsed = time.perf_counter() - start_time
-        summary = {
-            "env_id": args.env_id,
-            "backend": args.backend,
-            "exp_name": args.exp_name,
-            "seed": args.seed,
-            "device": str(device),
-            "status": status,
-            "total_env_steps": global_step,
-            "wall_seconds": round(elapsed, 3),
-            "compile_seconds": round(compile_seconds, 3),
-            "mean_sps": round(global_step / elapsed, 1) if elapsed > 0 else 0.0,
-            "episodes": episodes,
-            "mean_return_last_100": float(np.mean(recent_returns)) if recent_returns else None,
-        }
-        if status != "non-finite loss":  # NaN weights are not worth saving
-            if args.save_model:
-                model_path = os.path.join(run_dir, f"{args.exp_name}.cleanrl_model")
-                torch.save(agent.state_dict(), model_path)  # the observation statistics included
-                summary["model_path"] = model_path
-            if status in ("completed", "target return reached"):
-                if args.eval_episodes:
-                    eval_returns = evaluate_deterministic(agent, envs, args, args.eval_episodes)
-                    summary["eval_returns"] = eval_returns
-                    summary["eval_mean_return"] = float(np.mean(eval_returns))
-                    writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], global_step)
-                if args.capture_video:
-                    os.makedirs(os.path.join(run_dir, "videos"), exist_ok=True)
-                    summary["video"] = record_episode(agent, envs, args, os.path.join(run_dir, "videos", "episode_final"))
-                    print(summary["video"])
-        summary["args"] = asdict(args)
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(
-            f"{status}: {global_step:,} steps in {elapsed:.1f} s ({summary['mean_sps']:,.0f} SPS, after {compile_seconds:.1f} s of jit); "
-            f"mean return of the last 100 episodes {summary['mean_return_last_100']}; "
-            f"evaluation {summary.get('eval_mean_return', 'skipped')}; outputs in {run_dir}"
-        )
-        writer.close()
-        if args.track:
-            wandb.finish()
-    if status == "interrupted":
-        raise KeyboardInterrupt
-    return agent
+    with tyro._errors.on_parse_error(one_line):
+        return tyro.cli(Args)
 
 
 def main() -> None:
-    args = tyro.cli(Args)
     try:
+        args = parse_args()
+        device = validate(args)
+        if device.type == "cpu":  # process-wide, so set here rather than inside train()
+            torch.set_num_threads(args.torch_threads or available_cores())
         train(args)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except KeyboardInterrupt:

@@ -1,17 +1,24 @@
-"""ppo_mujoco_brax.py: the Brax wrapper (shapes, DLPack, truncation, fresh resets), the observation
-normaliser, bad input and short real runs."""
+"""ppo_mujoco_brax.py: the Brax wrapper (shapes, DLPack, truncation, fresh resets, one compilation), the
+observation normaliser, videos that leave training alone, bad input and short real runs."""
 
 import glob
 import json
 import os
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, run_script
+
 B = pytest.importorskip("ppo_mujoco_brax")
-pytest.importorskip("brax")
-from conftest import assert_one_error_line, run_script  # noqa: E402
+try:
+    B.import_brax()  # before anything imports brax: it sets MUJOCO_GL, which MuJoCo reads once, on import
+except B.UsageError:
+    pytest.skip("brax is not installed", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +59,24 @@ def test_time_limit_truncates_with_the_final_observation_and_fresh_resets(pendul
     # new episodes start from fresh random states, not from the first reset's (Brax's AutoResetWrapper does that)
     assert not torch.equal(obs, first)
     assert obs.abs().max() < 0.1
+
+
+def test_reset_and_step_compile_once(pendulum):
+    """The arrays JAX returns are committed to its device; a first call on uncommitted ones (an uncommitted
+    key) compiled reset and step a second time, the step's second compilation inside the timed training."""
+    for _ in range(2):
+        pendulum.reset()
+        for _ in range(3):
+            pendulum.step(torch.zeros(4, 1))
+    assert pendulum._reset._cache_size() == 1 and pendulum._step._cache_size() == 1
+
+
+def test_jax_starts_after_its_environment_variables():
+    code = ("import os, sys; import ppo_mujoco_brax as B; assert 'jax' not in sys.modules; B.import_brax(); "
+            "print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'], os.environ['MUJOCO_GL'])")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_PYTHON_CLIENT_PREALLOCATE", "MUJOCO_GL")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1].split() == ["false", "egl"], result.stderr[-2000:]
 
 
 def test_termination_is_not_truncation():
@@ -104,14 +129,70 @@ def test_gaussian_logprob_and_entropy():
     assert value.shape == (7,)
 
 
+class FakeWandb(types.ModuleType):
+    """Stands in for wandb: keeps what is logged."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.logged = []
+
+    def init(self, **kwargs):
+        pass
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def Video(self, path, format):
+        return path
+
+    def finish(self):
+        pass
+
+
+def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, monkeypatch, capsys):
+    """--capture-video --video-interval 1 films an episode at every iteration on a separate 1-env copy of the env:
+    the training envs' episodes and the reward scaling's discounted return go on, so training is the same as
+    without videos, to the last bit. Each MP4 goes to W&B."""
+    resets = []
+    reset = B.BraxVecEnv.reset
+    monkeypatch.setattr(B.BraxVecEnv, "reset", lambda self: resets.append(self) or reset(self))
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    # one env, as the video env: a single compilation for the whole test
+    flags = dict(env_id="inverted_pendulum", num_envs=1, num_steps=8, num_minibatches=2, total_timesteps=24,
+                 episode_length=5, eval_episodes=1, progress_bar=False, device="cpu")  # fmt: skip
+    plain = B.train(B.Args(**flags))
+    resets.clear()
+    filmed = B.train(B.Args(**flags, capture_video=True, video_interval=1, track=True))
+
+    training_envs = resets[0]  # train's own reset, before the first rollout
+    assert sum(env is training_envs for env in resets) == 2, (
+        "training envs reset other than at the start and to evaluate"
+    )
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, filmed.state_dict()[name]), name
+    plain_run, filmed_run = sorted(glob.glob(str(in_tmp / "runs" / "*")))
+    summaries = [json.load(open(os.path.join(run, "summary.json"))) for run in (plain_run, filmed_run)]
+    for key in ("total_env_steps", "episodes", "mean_return_last_100", "eval_returns"):
+        assert summaries[0][key] == summaries[1][key], key
+    films = ["episode_iter00001", "episode_iter00002", "episode_iter00003", "episode_final"]
+    mp4 = "no offscreen renderer for the MP4" not in capsys.readouterr().err  # where EGL or OSMesa works
+    written = sorted(os.listdir(os.path.join(filmed_run, "videos")))
+    assert written == sorted([f + ".html" for f in films] + ([f + ".mp4" for f in films] if mp4 else []))
+    uploaded = [(key, os.path.basename(path)) for data in wandb.logged for key, path in data.items()]
+    expected = [("videos/training", f + ".mp4") for f in films[:3]] + [("videos/final", "episode_final.mp4")]
+    assert uploaded == (expected if mp4 else [])
+
+
 @pytest.mark.parametrize("env_id", ["inverted_pendulum", "ant"])
 def test_smoke_run(env_id, tmp_path):
-    result = run_script("ppo_mujoco_brax", "--env-id", env_id, "--num-envs", "32", "--num-steps", "10", "--num-minibatches", "4",
-                     "--total-timesteps", "3200", "--eval-episodes", "2", "--no-progress-bar", "--save-model",
-                     cwd=tmp_path)  # fmt: skip
+    result = run_script("ppo_mujoco_brax", "--env-id", env_id, "--num-envs", "32", "--num-steps", "10",
+                        "--num-minibatches", "4", "--total-timesteps", "3200", "--eval-episodes", "2",
+                        "--no-progress-bar", "--save-model", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / f"{env_id}__ppo_mujoco_brax__1__*"))
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert set(summary) == SUMMARY_KEYS and summary["args"]["backend"] == "spring"
     assert summary["status"] == "completed" and summary["total_env_steps"] == 3200 and summary["mean_sps"] > 0
     assert len(summary["eval_returns"]) == 2 and glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     state = torch.load(os.path.join(tmp_path, summary["model_path"]))
@@ -121,14 +202,23 @@ def test_smoke_run(env_id, tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--env-id", "cartpole"], "unknown --env-id 'cartpole'"),
-        (["--backend", "physx"], "unknown --backend 'physx'"),
-        (["--num-envs", "10", "--num-steps", "3", "--num-minibatches", "4", "--eval-episodes", "0"], "not divisible by --num-minibatches"),
+        (["--env-id", "cartpole"], "unknown --env-id 'cartpole'; choose one of ant, halfcheetah, hopper"),
+        (["--backend", "physx"], "unknown --backend 'physx'; choose one of spring, positional, generalized, mjx"),
+        (
+            ["--num-envs", "10", "--num-steps", "3", "--num-minibatches", "4", "--eval-episodes", "0"],
+            "not divisible by --num-minibatches",
+        ),
         (["--eval-episodes", "5000"], "--eval-episodes 5000 is more than --num-envs"),
     ],
 )
 def test_bad_flags_give_one_clear_line(flags, message, tmp_path):
     assert_one_error_line(run_script("ppo_mujoco_brax", *flags, cwd=tmp_path, timeout=120), message)
+
+
+@pytest.mark.parametrize("flags", [dict(env_id="cartpole"), dict(backend="physx")])
+def test_validate_checks_the_choices_of_args_built_in_code(flags):
+    with pytest.raises(B.UsageError, match=f"unknown --{next(iter(flags)).replace('_', '-')} "):
+        B.validate(B.Args(**flags))
 
 
 def test_missing_brax_names_the_pip_command(tmp_path):
