@@ -237,3 +237,10 @@ def test_benchmark_machine_line_without_sched_getaffinity(monkeypatch):
     common = importlib.import_module("common")
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     assert f"{os.cpu_count()} cores" in common.machine()
+
+
+def test_run_says_when_total_timesteps_is_rounded_down(in_tmp, capsys):
+    """3 scripted rollouts of 1,000 steps against --total-timesteps 5,000,000: the note names both numbers."""
+    scripted_run(in_tmp, [[10.0], [10.0], [10.0]])
+    err = capsys.readouterr().err
+    assert "note: --total-timesteps 5,000,000 is rounded down to whole rollouts: 3,000" in err
