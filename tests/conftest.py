@@ -1,3 +1,4 @@
+import importlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,18 @@ SUMMARY_KEYS = {
 
 # Two threads at most: CI machines have two cores, and small ops get slower with more.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def import_script(name: str):
+    """Import a training script; for the Brax one, its import helper runs first (it sets MUJOCO_GL, which
+    MuJoCo reads once, when brax first imports it), and the test is skipped where brax is not installed."""
+    module = importlib.import_module(name)
+    if hasattr(module, "import_brax"):
+        try:
+            module.import_brax()
+        except module.UsageError:
+            pytest.skip("brax is not installed", allow_module_level=True)
+    return module
 
 
 @pytest.fixture

@@ -12,13 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, run_script
+from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, import_script, run_script
 
-B = pytest.importorskip("ppo_mujoco_brax")
-try:
-    B.import_brax()  # before anything imports brax: it sets MUJOCO_GL, which MuJoCo reads once, on import
-except B.UsageError:
-    pytest.skip("brax is not installed", allow_module_level=True)
+B = import_script("ppo_mujoco_brax")
 
 
 @pytest.fixture(scope="module")

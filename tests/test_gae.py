@@ -1,22 +1,17 @@
 """GAE on the device (each script that has a critic carries the same one) against a plain per-env loop."""
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
 
+from conftest import import_script
 from reference import reference_gae
 
 
 @pytest.fixture(params=["ppo_cartpole_gpu", "vpg", "ppo_atari_envpool", "ppo_mujoco_brax"])
 def P(request):
     """Every script's own copy of compute_gae."""
-    module = importlib.import_module(request.param)
-    if request.param == "ppo_mujoco_brax":  # its import helper first: it sets MuJoCo's renderer before brax loads
-        pytest.importorskip("jax")
-        module.import_brax()
-    return module
+    return import_script(request.param)
 
 
 def test_gae_matches_reference_loop(P):

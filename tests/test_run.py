@@ -13,20 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ALL_SCRIPTS, SCRIPTS, SUMMARY_KEYS
+from conftest import ALL_SCRIPTS, SCRIPTS, SUMMARY_KEYS, import_script
 
 MARKER = "    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----"
 SHARED = ["Status", "write_video", "validate_run_flags", "available_cores", "parse_args", "main", "UsageError",
           "NonFiniteLossError"]  # fmt: skip
 CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "mlp", "Run"]
-
-
-def module(name):
-    mod = importlib.import_module(name)
-    if name == "ppo_mujoco_brax":  # the script's import helper first: it sets MuJoCo's renderer before brax loads
-        pytest.importorskip("jax")
-        mod.import_brax()
-    return mod
 
 
 def shared_part_of_run(mod) -> str:
@@ -37,7 +29,7 @@ def shared_part_of_run(mod) -> str:
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS[1:])
 def test_run_management_is_the_same_code_in_every_script(name):
-    template, mod = module("ppo_cartpole_gpu"), module(name)
+    template, mod = import_script("ppo_cartpole_gpu"), import_script(name)
     assert shared_part_of_run(mod) == shared_part_of_run(template)
     for obj in SHARED:
         assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
@@ -45,7 +37,7 @@ def test_run_management_is_the_same_code_in_every_script(name):
 
 @pytest.mark.parametrize("name", SCRIPTS[1:])
 def test_cartpole_scripts_carry_the_same_env_and_networks(name):
-    template, mod = module("ppo_cartpole_gpu"), module(name)
+    template, mod = import_script("ppo_cartpole_gpu"), import_script(name)
     for obj in CARTPOLE_SHARED:
         if name == "reinforce" and obj == "Run":  # its first-episode bookkeeping differs, below the marker
             continue
@@ -54,7 +46,7 @@ def test_cartpole_scripts_carry_the_same_env_and_networks(name):
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
 def test_train_is_one_screen_of_named_phases(name):
-    mod = module(name)
+    mod = import_script(name)
     lines = inspect.getsource(mod.train).splitlines()
     assert len(lines) <= 45, f"{name}.train() has {len(lines)} lines"
     source = "\n".join(lines)
@@ -94,7 +86,7 @@ PPO_SCRIPTS = ["ppo_cartpole_gpu", "ppo_atari_envpool", "ppo_mujoco_brax"]
 @pytest.mark.parametrize("name", PPO_SCRIPTS)
 @pytest.mark.parametrize("clip_vloss", [False, True])
 def test_ppo_loss_matches_hand_computed_values(name, clip_vloss):
-    mod = module(name)
+    mod = import_script(name)
     if clip_vloss and not hasattr(mod.Args, "clip_vloss"):
         pytest.skip(f"{name} has no --clip-vloss")
     flags = dict(clip_coef=0.2, norm_adv=False, ent_coef=0.01, vf_coef=0.5)
@@ -124,7 +116,7 @@ def test_ppo_loss_matches_hand_computed_values(name, clip_vloss):
 
 @pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg", "ppo_atari_envpool", "ppo_mujoco_brax"])
 def test_explained_variance_is_nan_for_constant_returns(name):
-    mod = module(name)
+    mod = import_script(name)
     assert math.isnan(mod.explained_variance(torch.tensor([0.5, 0.2]), torch.ones(2)).item())
     values, returns = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0])
     expected = 1 - (returns - values).var() / returns.var()
@@ -211,7 +203,7 @@ def test_run_writes_everything_on_ctrl_c(in_tmp):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_main_runs_without_sched_getaffinity(name, in_tmp, monkeypatch, capsys):
     """macOS and Windows have no os.sched_getaffinity."""
-    mod = module(name)
+    mod = import_script(name)
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     monkeypatch.setattr(sys, "argv", [name, "--total-timesteps", "5000", "--no-progress-bar", "--eval-episodes", "0",
                                       "--num-envs", "8", "--device", "cpu"])  # fmt: skip
@@ -225,7 +217,7 @@ def test_main_runs_without_sched_getaffinity(name, in_tmp, monkeypatch, capsys):
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_train_leaves_the_thread_count_alone(name, in_tmp):
-    mod = module(name)
+    mod = import_script(name)
     threads = torch.get_num_threads()
     mod.train(mod.Args(torch_threads=threads + 1, total_timesteps=5000, num_envs=8, progress_bar=False,
                        eval_episodes=0, device="cpu"))  # fmt: skip
