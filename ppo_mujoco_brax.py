@@ -40,6 +40,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -514,7 +515,7 @@ class Run:
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = os.path.join("runs", self.name)
         self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
-        self.iteration = self.global_step = self.episodes = 0
+        self.iteration = self.global_step = self.episodes = self.uncounted_steps = 0
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
         self.target_reached = False
@@ -572,7 +573,7 @@ class Run:
         self.recent_returns.extend(returns.tolist())
         self.episodes += len(returns)
         elapsed = time.perf_counter() - self.start_time
-        sps = int(self.global_step / elapsed)
+        sps = int((self.global_step - self.uncounted_steps) / elapsed)
         full = len(self.recent_returns) == self.recent_returns.maxlen
         mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
         if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
@@ -597,6 +598,10 @@ class Run:
             path = self.record_video(rollout, self.iteration)
             if path is not None and self.wandb is not None:
                 self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+        if self.iteration == 1 and getattr(self.args, "compile", False):
+            # iteration 1 compiled the graphs: SPS and the time to solve count from here (LeanRL's burn-in)
+            self.note(f"--compile: iteration 1 took {elapsed:.1f} s (compilation), not counted in SPS")
+            self.start_time, self.uncounted_steps = time.perf_counter(), self.global_step
         target = self.args.target_return
         self.target_reached = target is not None and full and mean_recent >= target
         return self.target_reached
@@ -623,8 +628,8 @@ class Run:
             "total_env_steps": self.global_step,
             "iterations": self.iteration,
             "wall_seconds": round(elapsed, 3),
-            "setup_seconds": round(self.start_time - self.created, 3),  # before training: env, compilation
-            "mean_sps": round(self.global_step / elapsed, 1),
+            "setup_seconds": round(self.start_time - self.created, 3),  # before the clock: env, compilation
+            "mean_sps": round((self.global_step - self.uncounted_steps) / elapsed, 1),
             "episodes": self.episodes,
             "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
             "solved_threshold": self.threshold,
@@ -777,6 +782,10 @@ def validate_run_flags(args) -> torch.device:
         raise UsageError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"--device {args.device} is not supported; use cpu or cuda")
+    compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
+    if getattr(args, "compile", False) and device.type == "cpu" and not shutil.which(compiler):
+        raise UsageError("--compile on the CPU needs a C++ compiler (torch.compile builds C++ kernels): "
+                         "install g++ (or set CXX), or leave out --compile")  # fmt: skip
     for flag, module, pin in (("capture_video", "moviepy", "moviepy==2.2.1"), ("track", "wandb", "wandb==0.31.0")):
         if getattr(args, flag):
             try:

@@ -27,9 +27,11 @@ refer to Huang et al. 2022's PPO implementation details, as in ppo_cartpole_gpu.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -80,6 +82,9 @@ class Args:
     """torch device to run everything on (cuda when available, else cpu)"""
     torch_threads: int = 0
     """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
+    compile: bool = False
+    """torch.compile the rollout, the batch preparation and the gradient step into graphs: faster
+    iterations after a one-off compilation in iteration 1 (not counted in SPS); see README for when it pays"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -115,8 +120,10 @@ class CartPole:
     Interface (every env the trainer takes, probes included, has it):
       num_envs, obs_dim, num_actions, max_episode_steps, reward_threshold (None: no "solved" level), device
       reset() -> (obs, info)
-      step(actions) -> (obs, reward, terminated, truncated, info)
-    Finished envs are reset inside `step`. `info` then holds, per env and valid where
+      draw_initial_states(T) -> (T, num_envs, obs_dim) states to restart finished envs from, one per step
+      step(actions, initial_states=None) -> (obs, reward, terminated, truncated, info)
+    Finished envs are reset inside `step`, to `initial_states` when given (drawn from the env's generator
+    otherwise: passing them keeps random draws out of a compiled rollout). `info` then holds, per env and valid where
     terminated | truncated: "final_obs" (the real last observation), "episode_return",
     "episode_length".
     """
@@ -150,6 +157,11 @@ class CartPole:
         # stored feature-major, (4, n) in memory and seen as (n, 4): see `step`
         return torch.empty(4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).T
 
+    def draw_initial_states(self, num_steps: int) -> torch.Tensor:
+        # feature-major like `_initial_states`: (T, 4, N) in memory, seen as (T, N, 4)
+        shape = (num_steps, 4, self.num_envs)
+        return torch.empty(shape, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).transpose(1, 2)
+
     def reset(self):
         self.state = self._initial_states(self.num_envs)
         self.episode_return.zero_()
@@ -164,7 +176,7 @@ class CartPole:
         x, theta = self.state[:, 0], self.state[:, 2]
         return (x.abs() > self.x_threshold) | (theta.abs() > self.theta_threshold_radians)
 
-    def step(self, action: torch.Tensor):
+    def step(self, action: torch.Tensor, initial_states: Optional[torch.Tensor] = None):
         x, x_dot, theta, theta_dot = self.state.unbind(1)
         force = action * (2 * self.force_mag) - self.force_mag  # action 1 pushes right, 0 left
         costheta, sintheta = torch.cos(theta), torch.sin(theta)
@@ -187,14 +199,15 @@ class CartPole:
         truncated = self.episode_length >= self.max_episode_steps
         done = terminated | truncated
         info = {"final_obs": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length}
-        self._autoreset(done)
+        self._autoreset(done, initial_states)
         return self.state, reward, terminated, truncated, info
 
-    def _autoreset(self, done: torch.Tensor) -> None:
+    def _autoreset(self, done: torch.Tensor, initial_states: Optional[torch.Tensor]) -> None:
         """Give finished envs fresh initial states, out of place (info["final_obs"] keeps the old)."""
-        if self.sync_free_reset:
-            # draw for every env and keep the draws where done: no host read of `done`
-            self.state = torch.where(done.unsqueeze(1), self._initial_states(self.num_envs), self.state)
+        if initial_states is not None or self.sync_free_reset:
+            # a state for every env, kept where done: no host read of `done`
+            fresh = self._initial_states(self.num_envs) if initial_states is None else initial_states
+            self.state = torch.where(done.unsqueeze(1), fresh, self.state)
         else:
             # no stream to stall on the CPU: draw for the finished envs only (~4x cheaper here)
             idx = done.nonzero().squeeze(1)
@@ -306,11 +319,19 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
+class Tanh(nn.Module):
+    """tanh; in a torch.compile'd graph written 2σ(2x) - 1, the same within 2e-7: inductor's exact tanh
+    kernel costs ~2x as much on a CPU, where the activations are a large share of a small net's time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.sigmoid(2 * x) - 1 if torch.compiler.is_compiling() else torch.tanh(x)
+
+
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     """A 64-64 tanh network whose output layer starts at scale `out_std`."""
     return nn.Sequential(
-        layer_init(nn.Linear(in_dim, 64)), nn.Tanh(),
-        layer_init(nn.Linear(64, 64)), nn.Tanh(),
+        layer_init(nn.Linear(in_dim, 64)), Tanh(),
+        layer_init(nn.Linear(64, 64)), Tanh(),
         layer_init(nn.Linear(64, out_dim), std=out_std),
     )  # fmt: skip
 
@@ -322,14 +343,19 @@ class Agent(nn.Module):
         super().__init__()
         self.actor = mlp(obs_dim, num_actions, out_std=0.01)
 
-    def get_action(self, obs: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+    def get_action(
+        self, obs: torch.Tensor, gumbel: Optional[torch.Tensor] = None, greedy: bool = False
+    ) -> torch.Tensor:
+        """Sample actions by Gumbel-max, argmax(logits + Gumbel noise), which samples the softmax distribution
+        in a few kernels; `gumbel` (the logits' shape) is drawn here when None. `greedy`: argmax(logits)."""
         logits = self.actor(obs)
         if greedy:
             return logits.argmax(-1)
-        # Gumbel-max: argmax(logits + Gumbel noise) samples the softmax distribution in 4 kernels
-        return (logits - torch.empty_like(logits).exponential_().log()).argmax(-1)
+        if gumbel is None:
+            gumbel = -torch.empty_like(logits).exponential_().log()
+        return (logits + gumbel).argmax(-1)
 
-    def evaluate(self, obs: torch.Tensor, action: torch.Tensor):
+    def forward(self, obs: torch.Tensor, action: torch.Tensor):
         """Log-probability of `action` and entropy."""
         logp = self.actor(obs).log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1)
@@ -340,12 +366,14 @@ class Agent(nn.Module):
 # Algorithm
 # ----------------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
-    """Up to T steps of N envs, preallocated on the device; a rollout fills the first rows (see `collect_rollout`)."""
+    """T steps of N envs, preallocated on the device (detail 1: one vectorised batch of envs)."""
 
     obs: torch.Tensor  # (T, N, obs_dim) the observation each action was chosen on
     actions: torch.Tensor  # (T, N)
     rewards: torch.Tensor  # (T, N)
+    terminated: torch.Tensor  # (T, N) the episode failed at this step: no future to bootstrap
     dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
+    final_obs: torch.Tensor  # (T, N, obs_dim) s'_t, the real next state (before any auto-reset)
     episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
     episode_length: torch.Tensor  # (T, N)
 
@@ -354,9 +382,22 @@ class Rollout(NamedTuple):
         def zeros(*shape, dtype=torch.float32):
             return torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
 
-        return Rollout(
-            zeros(obs_dim), zeros(dtype=torch.long), zeros(), zeros(dtype=torch.bool), zeros(), zeros(dtype=torch.int32)
-        )
+        return Rollout(zeros(obs_dim), zeros(dtype=torch.long), zeros(), zeros(dtype=torch.bool),
+                       zeros(dtype=torch.bool), zeros(obs_dim), zeros(), zeros(dtype=torch.int32))  # fmt: skip
+
+
+class RolloutNoise(NamedTuple):
+    """A rollout's random numbers, drawn before it: with them passed in, `collect_rollout` is pure tensor
+    code that torch.compile makes one graph (a seeded torch.Generator would split the graph)."""
+
+    gumbel: torch.Tensor  # (T, N, num_actions) Gumbel noise, -log(Exp(1)), for sampling the actions
+    initial_states: torch.Tensor  # (T, N, obs_dim) where an env restarts if its episode ends at step t
+
+    @staticmethod
+    def draw(envs, num_steps: int) -> RolloutNoise:
+        """The Gumbel noise from torch's global generator (seeded by --seed), the states from the env's own."""
+        gumbel = -torch.empty(num_steps, envs.num_envs, envs.num_actions, device=envs.device).exponential_().log()
+        return RolloutNoise(gumbel, envs.draw_initial_states(num_steps))
 
 
 class Batch(NamedTuple):
@@ -367,26 +408,36 @@ class Batch(NamedTuple):
     returns: torch.Tensor  # G_t
 
 
-@torch.no_grad()
-def collect_rollout(agent: Agent, envs, rollout: Rollout) -> int:
-    """Reset every env, then step them all until each has finished an episode (at most T steps),
-    filling the first rows of `rollout`; return the number of steps taken."""
+def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noise: RolloutNoise) -> torch.Tensor:
+    """Step every env T times with the current policy, filling `rollout`; return the next observation."""
+    with torch.no_grad():
+        for t in range(len(rollout.obs)):
+            rollout.obs[t] = obs
+            action = agent.get_action(obs, noise.gumbel[t])
+            obs, reward, terminated, truncated, info = envs.step(action, noise.initial_states[t])
+            rollout.actions[t] = action
+            rollout.rewards[t] = reward
+            rollout.terminated[t] = terminated
+            rollout.dones[t] = terminated | truncated
+            rollout.final_obs[t] = info["final_obs"]
+            rollout.episode_return[t] = info["episode_return"]
+            rollout.episode_length[t] = info["episode_length"]
+    return obs
+
+
+def collect_episodes(collect, agent: Agent, envs, storage: Rollout) -> int:
+    """Reset every env, then step them all in chunks of 10 steps (`collect`: `collect_rollout`, compiled
+    with --compile) until each env has finished an episode (at most T steps), filling the first rows of
+    `storage`; return the number of steps taken. (REINFORCE does not use `terminated` and `final_obs`: they
+    are filled to keep `collect_rollout` the same in the three CartPole scripts.)"""
     obs, _ = envs.reset()  # fresh episodes: each env's first one is complete within the rollout
-    finished = torch.zeros(envs.num_envs, dtype=torch.bool, device=obs.device)
-    for t in range(len(rollout.obs)):
-        rollout.obs[t] = obs
-        action = agent.get_action(obs)
-        obs, reward, terminated, truncated, info = envs.step(action)
-        rollout.actions[t] = action
-        rollout.rewards[t] = reward
-        rollout.dones[t] = terminated | truncated
-        rollout.episode_return[t] = info["episode_return"]
-        rollout.episode_length[t] = info["episode_length"]
-        finished |= rollout.dones[t]
+    for start in range(0, len(storage.obs), 10):
+        chunk = Rollout(*(x[start : start + 10] for x in storage))
+        obs = collect(agent, envs, obs, chunk, RolloutNoise.draw(envs, len(chunk.obs)))
         # a host read every 10 steps, not every step: on a GPU each read waits for the device
-        if t % 10 == 9 and finished.all():
+        if storage.dones[: start + 10].any(0).all():
             break
-    return t + 1
+    return start + len(chunk.obs)
 
 
 def compute_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -411,7 +462,7 @@ def first_episodes(dones: torch.Tensor) -> torch.Tensor:
 
 def reinforce_loss(agent: Agent, args: Args, obs, actions, returns):
     """REINFORCE loss -mean(log pi(a|s) * G) over complete episodes; returns (loss, stats keyed by TensorBoard tag)."""
-    logprob, entropy = agent.evaluate(obs, actions)
+    logprob, entropy = agent(obs, actions)
     if args.normalize_returns:  # population std: a batch of one return normalises to 0, not NaN
         returns = (returns - returns.mean()) / (returns.std(correction=0) + 1e-8)
     pg_loss = -(logprob * returns).mean()
@@ -419,16 +470,6 @@ def reinforce_loss(agent: Agent, args: Args, obs, actions, returns):
     loss = pg_loss - args.ent_coef * entropy_loss
     stats = {"losses/policy_loss": pg_loss, "losses/entropy": entropy_loss, "losses/total_loss": loss}
     return loss, {tag: value.detach() for tag, value in stats.items()}
-
-
-def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """One gradient step on the whole batch with global gradient clipping (detail 11); returns the loss statistics."""
-    loss, stats = reinforce_loss(agent, args, batch.obs, batch.actions, batch.returns)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return stats
 
 
 def train(args: Args, envs=None) -> Agent:
@@ -444,21 +485,86 @@ def train(args: Args, envs=None) -> Agent:
         agent = Agent(envs.obs_dim, envs.num_actions).to(device)
         # the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        # the hot phases, torch.compile'd with --compile
+        collect, gradient_step = hot_phases(agent, optimizer, reinforce_loss, args, collect_rollout)
         storage = Rollout.empty(args.num_steps, args.num_envs, envs.obs_dim, device)
         run.start(agent, envs, optimizer, total_steps=args.total_timesteps)
         while run.global_step < args.total_timesteps:
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = (1.0 - run.global_step / args.total_timesteps) * args.learning_rate
-            steps = collect_rollout(agent, envs, storage)
+            steps = collect_episodes(collect, agent, envs, storage)
             rollout = Rollout(*(x[:steps] for x in storage))
             # each env's first episode only: an unbiased sample of the policy's episodes (see the module docstring)
             first = first_episodes(rollout.dones)
             returns = compute_returns(rollout.rewards, rollout.dones, args.gamma)
-            stats = update(agent, optimizer, Batch(rollout.obs[first], rollout.actions[first], returns[first]), args)
+            # the update: one gradient step on the whole batch
+            stats = gradient_step(Batch(rollout.obs[first], rollout.actions[first], returns[first]))
             # log the same episodes (Run counts those that end where `dones` is set); every simulated step counts
             if run.log(steps * args.num_envs, stats, rollout._replace(dones=rollout.dones & first)):
                 break
     return agent
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed: the gradient step and torch.compile (the same code in the three CartPole scripts)
+# ----------------------------------------------------------------------------------------------
+def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
+    """One step of Adam on `loss_fn(agent, args, *minibatch)`, the minibatch being the rows `idx` of `batch`
+    (all of it when None), with global gradient clipping (detail 11); returns the loss statistics."""
+    loss, stats = loss_fn(agent, args, *(x if idx is None else x[idx] for x in batch))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return stats
+
+
+def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
+    """`gradient_step` as one pure function of (lr, batch, idx), which torch.compile makes a single graph.
+
+    torch.compile cuts `loss.backward()` and `optimizer.step()` into separate graphs (3x slower here),
+    so the gradients come from torch.func.grad and the clipping and Adam's update are written out: the
+    same arithmetic as clip_grad_norm_ and torch.optim.Adam, on the optimizer's own state tensors, so its
+    state_dict and the eager path go on from where this left off.
+    """
+    params = dict(agent.named_parameters())
+    (beta1, beta2), eps = optimizer.param_groups[0]["betas"], optimizer.param_groups[0]["eps"]
+    state = [optimizer.state[p] for p in params.values()]
+    for p, s in zip(params.values(), state):
+        if not s:  # what torch.optim.Adam creates at its first step
+            s.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+    def loss_of(params, *minibatch):
+        return loss_fn(lambda *x: torch.func.functional_call(agent, params, x), args, *minibatch)
+
+    def step(lr, batch, idx=None):
+        minibatch = (x if idx is None else x[idx] for x in batch)  # gathered inside the graph, fused
+        grads, stats = torch.func.grad(loss_of, has_aux=True)(params, *minibatch)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for p, g, s in zip(params.values(), grads.values(), state):
+                g = g * clip
+                s["step"] += 1
+                s["exp_avg"].lerp_(g, 1 - beta1)  # m = β1 m + (1 - β1) g
+                s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2 v + (1 - β2) g²
+                denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt() + eps
+                p.sub_(lr / (1 - beta1 ** s["step"]) * s["exp_avg"] / denom)
+        return stats
+
+    return step
+
+
+def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
+    """`phases` (functions of tensors) and `gradient_step(batch, idx)`: as written, or with --compile each
+    one torch.compile'd into a single graph (fullgraph: a graph break is an error, not a silent slowdown)."""
+    if not args.compile:
+        return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
+    compile = functools.partial(torch.compile, fullgraph=True)
+    step = compile(functional_gradient_step(agent, optimizer, loss_fn, args))
+    group, device = optimizer.param_groups[0], next(agent.parameters()).device
+    # the annealed learning rate goes in as a tensor: as a float it would be a constant, recompiled each iteration
+    return *map(compile, phases), lambda *batch_idx: step(torch.tensor(group["lr"], device=device), *batch_idx)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +590,7 @@ class Run:
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = os.path.join("runs", self.name)
         self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
-        self.iteration = self.global_step = self.episodes = 0
+        self.iteration = self.global_step = self.episodes = self.uncounted_steps = 0
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
         self.target_reached = False
@@ -542,7 +648,7 @@ class Run:
         self.recent_returns.extend(returns.tolist())
         self.episodes += len(returns)
         elapsed = time.perf_counter() - self.start_time
-        sps = int(self.global_step / elapsed)
+        sps = int((self.global_step - self.uncounted_steps) / elapsed)
         full = len(self.recent_returns) == self.recent_returns.maxlen
         mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
         if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
@@ -567,6 +673,10 @@ class Run:
             path = self.record_video(rollout, self.iteration)
             if path is not None and self.wandb is not None:
                 self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+        if self.iteration == 1 and getattr(self.args, "compile", False):
+            # iteration 1 compiled the graphs: SPS and the time to solve count from here (LeanRL's burn-in)
+            self.note(f"--compile: iteration 1 took {elapsed:.1f} s (compilation), not counted in SPS")
+            self.start_time, self.uncounted_steps = time.perf_counter(), self.global_step
         target = self.args.target_return
         self.target_reached = target is not None and full and mean_recent >= target
         return self.target_reached
@@ -593,8 +703,8 @@ class Run:
             "total_env_steps": self.global_step,
             "iterations": self.iteration,
             "wall_seconds": round(elapsed, 3),
-            "setup_seconds": round(self.start_time - self.created, 3),  # before training: env, compilation
-            "mean_sps": round(self.global_step / elapsed, 1),
+            "setup_seconds": round(self.start_time - self.created, 3),  # before the clock: env, compilation
+            "mean_sps": round((self.global_step - self.uncounted_steps) / elapsed, 1),
             "episodes": self.episodes,
             "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
             "solved_threshold": self.threshold,
@@ -702,6 +812,10 @@ def validate_run_flags(args) -> torch.device:
         raise UsageError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"--device {args.device} is not supported; use cpu or cuda")
+    compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
+    if getattr(args, "compile", False) and device.type == "cpu" and not shutil.which(compiler):
+        raise UsageError("--compile on the CPU needs a C++ compiler (torch.compile builds C++ kernels): "
+                         "install g++ (or set CXX), or leave out --compile")  # fmt: skip
     for flag, module, pin in (("capture_video", "moviepy", "moviepy==2.2.1"), ("track", "wandb", "wandb==0.31.0")):
         if getattr(args, flag):
             try:

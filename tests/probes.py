@@ -37,13 +37,17 @@ class Probe:
         """Observation after a step that does not end the episode (multi-step probes only)."""
         return self.obs
 
+    def draw_initial_states(self, num_steps: int) -> torch.Tensor:
+        """(num_steps, num_envs, 1): the observation each env restarts from, per step (see CartPole)."""
+        return torch.stack([self._initial_obs() for _ in range(num_steps)])
+
     def reset(self):
         self.t.zero_()
         self.obs = self._initial_obs()
         self.episode_return.zero_()
         return self.obs, {}
 
-    def step(self, action: torch.Tensor):
+    def step(self, action: torch.Tensor, initial_states=None):
         reward = self.reward(action)
         self.t += 1
         terminated = self.t >= self.max_episode_steps
@@ -51,7 +55,8 @@ class Probe:
         self.episode_return = self.episode_return + reward
         final_obs = torch.where(terminated.unsqueeze(1), self.obs, self.next_obs())
         info = {"final_obs": final_obs, "episode_return": self.episode_return, "episode_length": self.t.int()}
-        self.obs = torch.where(terminated.unsqueeze(1), self._initial_obs(), final_obs)
+        fresh = self._initial_obs() if initial_states is None else initial_states
+        self.obs = torch.where(terminated.unsqueeze(1), fresh, final_obs)
         self.t = self.t.masked_fill(terminated, 0)
         self.episode_return = self.episode_return.masked_fill(terminated, 0.0)
         return self.obs, reward, terminated, truncated, info

@@ -46,20 +46,24 @@ def record(monkeypatch, args: R.Args):
     """Train with `args`, recording each rollout as collected, each batch trained on, and the env steps
     and the episodes (return, length) each `Run.log` call counts."""
     rollouts, batches, logs = [], [], []
-    collect, update, log = R.collect_rollout, R.update, R.Run.log
+    collect_episodes, hot_phases, log = R.collect_episodes, R.hot_phases, R.Run.log
 
-    def recording_collect(agent, envs, storage):
-        steps = collect(agent, envs, storage)
+    def recording_collect(collect, agent, envs, storage):
+        steps = collect_episodes(collect, agent, envs, storage)
         rollouts.append(R.Rollout(*(x[:steps].clone() for x in storage)))
         return steps
+
+    def recording_hot_phases(*a):
+        *phases, gradient_step = hot_phases(*a)
+        return *phases, lambda batch, idx=None: batches.append(batch) or gradient_step(batch, idx)
 
     def recording_log(run, env_steps, stats, rollout):
         ended, returns, lengths = run.finished_episodes(rollout)
         logs.append((env_steps, returns[ended].clone(), lengths[ended].clone()))
         return log(run, env_steps, stats, rollout)
 
-    monkeypatch.setattr(R, "collect_rollout", recording_collect)
-    monkeypatch.setattr(R, "update", lambda agent, opt, batch, a: batches.append(batch) or update(agent, opt, batch, a))
+    monkeypatch.setattr(R, "collect_episodes", recording_collect)
+    monkeypatch.setattr(R, "hot_phases", recording_hot_phases)
     monkeypatch.setattr(R.Run, "log", recording_log)
     R.train(args)
     assert len(rollouts) == len(batches) == len(logs)

@@ -27,7 +27,7 @@ def test_first_use_equals_plain_vpg_loss_and_gradient():
     obs, actions, advantages, returns = batch()
     args = V.Args(ent_coef=0.01, clip_coef=0.2)
     with torch.no_grad():
-        old_logprobs, _, _ = agent.evaluate(obs, actions)  # as after a rollout: pi_old = pi
+        old_logprobs, _, _ = agent(obs, actions)  # as after a rollout: pi_old = pi
     loss, stats = V.vpg_loss(agent, args, obs, actions, old_logprobs, advantages, returns)
     expected = plain_vpg_loss(agent, args, obs, actions, advantages, returns)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
@@ -44,7 +44,7 @@ def test_later_uses_are_importance_weighted_and_clipped():
     agent = V.Agent(4, 2)
     obs, actions, advantages, returns = batch(1)
     with torch.no_grad():
-        logprobs, _, _ = agent.evaluate(obs, actions)
+        logprobs, _, _ = agent(obs, actions)
     old_logprobs = logprobs + torch.linspace(-1.0, 1.0, len(logprobs))  # pi/pi_old from e^-1 to e^1
     args = V.Args(norm_adv=False, ent_coef=0.0, vf_coef=0.0, clip_coef=0.2)
     loss, _ = V.vpg_loss(agent, args, obs, actions, old_logprobs, advantages, returns)
@@ -64,14 +64,17 @@ def cartpole_batch(agent, args) -> V.Batch:
     T, N = args.num_steps, args.num_envs
     envs = V.CartPole(N, "cpu", seed=0)
     rollout = V.Rollout.empty(T, N, envs.obs_dim, "cpu")
-    V.collect_rollout(agent, envs, envs.reset()[0], rollout)
+    V.collect_rollout(agent, envs, envs.reset()[0], rollout, V.RolloutNoise.draw(envs, T))
     b_obs, b_actions = rollout.obs.view(T * N, -1), rollout.actions.view(T * N)
     with torch.no_grad():
-        b_logprobs, _, b_values = agent.evaluate(b_obs, b_actions)
+        b_logprobs, _, b_values = agent(b_obs, b_actions)
         next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)
     values, gae = b_values.view(T, N), (args.gamma, args.gae_lambda)
     advantages, returns = V.compute_gae(rollout.rewards, values, next_values, rollout.terminated, rollout.dones, *gae)
-    return V.Batch(b_obs, b_actions, b_logprobs, advantages.view(-1), returns.view(-1), b_values)
+    batch = V.Batch(b_obs, b_actions, b_logprobs, advantages.view(-1), returns.view(-1), b_values)
+    for mine, theirs in zip(V.make_batch(agent, rollout, args), batch):  # `make_batch` is these lines
+        torch.testing.assert_close(mine, theirs)
+    return batch
 
 
 @pytest.mark.parametrize("uses", [1, 4])
@@ -84,9 +87,9 @@ def test_rollout_reuse_takes_importance_weighted_steps(uses, monkeypatch):
     batch = cartpole_batch(agent, args)
     before = [p.detach().clone() for p in agent.parameters()]
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    calls, real_loss = [], V.vpg_loss
-    monkeypatch.setattr(V, "vpg_loss", lambda *a: calls.append(a) or real_loss(*a))
-    stats = V.update(agent, optimizer, batch, args)
+    calls = []
+    (gradient_step,) = V.hot_phases(agent, optimizer, lambda *a: calls.append(a) or V.vpg_loss(*a), args)
+    stats = V.update(gradient_step, batch, args)
     assert len(calls) == uses
     assert set(stats) == {f"losses/{name}" for name in STATS}
     assert all(torch.isfinite(value) for value in stats.values())

@@ -1,0 +1,102 @@
+"""`--compile`: the compiled hot phases compute what the eager ones do, in single graphs that compile once.
+
+torch.compile builds C++ kernels on the CPU (a C++ compiler is needed, as in CI). The first compilation
+of each phase takes seconds; the tests reuse one shape per script so that cost is paid once.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch._dynamo
+
+from conftest import SCRIPTS, import_script
+
+# small but real: several episodes end and restart inside the rollouts
+SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
+
+
+def graph_count() -> int:
+    """Graphs dynamo has compiled in this process (a recompilation adds one)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def trained(name, in_tmp, **flags):
+    mod = import_script(name)
+    small = dict(SMALL, num_minibatches=2, update_epochs=2) if name == "ppo_cartpole_gpu" else SMALL
+    if name == "reinforce":  # rollouts run until every env has finished an episode: 3-4 of them here
+        small = dict(SMALL, num_steps=500, total_timesteps=16 * 100)
+    return mod.train(mod.Args(seed=3, **small, **flags))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_compiled_training_matches_eager(name, in_tmp):
+    """Same seed, same random numbers (drawn outside the graphs): the weights after 4 iterations agree
+    to float tolerance (the graphs write tanh as 2σ(2x) - 1 and Adam's update out, both exact to ~1e-7),
+    and each phase compiled to one graph, once (REINFORCE's gradient step twice: its batch size varies,
+    and the second shape makes dynamo compile a dynamic-shape graph)."""
+    torch._dynamo.reset()
+    eager = trained(name, in_tmp)
+    before = graph_count()
+    compiled = trained(name, in_tmp, compile=True)
+    expected = {"ppo_cartpole_gpu": 3, "vpg": 3, "reinforce": 3}[name]
+    assert graph_count() - before == expected
+    for (key, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=key)
+
+
+@pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg"])
+def test_functional_gradient_step_is_torch_adam_with_clipping(name):
+    """One step of the compiled-path update equals loss.backward, clip_grad_norm_ and torch.optim.Adam's
+    step, on minibatches given by index (the path --compile uses; checked eagerly here)."""
+    mod = import_script(name)
+    torch.manual_seed(0)
+    args = mod.Args(max_grad_norm=0.05)  # small enough that the clipping acts
+    agent = mod.Agent(4, 2)
+    twin = copy.deepcopy(agent)
+    make = lambda a: torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5)  # noqa: E731
+    opt, twin_opt = make(agent), make(twin)
+    loss_fn = mod.ppo_loss if name == "ppo_cartpole_gpu" else mod.vpg_loss
+    n = 64
+    batch = mod.Batch(torch.randn(n, 4), torch.randint(0, 2, (n,)), torch.randn(n) - 0.7, torch.randn(n),
+                      torch.randn(n), torch.randn(n))  # fmt: skip
+    functional = mod.functional_gradient_step(agent, opt, loss_fn, args)
+    eager = functools.partial(mod.gradient_step, twin, twin_opt, loss_fn, args)
+    for _ in range(3):
+        idx = torch.randperm(n)[:32]
+        stats = functional(torch.tensor(1e-2), batch, idx)
+        twin_stats = eager(batch, idx)
+        for tag in stats:
+            torch.testing.assert_close(stats[tag], twin_stats[tag])
+    for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=key)
+    # the optimizer's state is Adam's own: an eager step can follow compiled ones
+    for p, q in zip(agent.parameters(), twin.parameters()):
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], twin_opt.state[q]["exp_avg_sq"])
+        assert float(opt.state[p]["step"]) == float(twin_opt.state[q]["step"]) == 3
+
+
+def test_tanh_is_the_same_compiled():
+    mod = import_script("ppo_cartpole_gpu")
+    x = torch.linspace(-30, 30, 10001)
+    torch.testing.assert_close(torch.compile(mod.Tanh())(x), torch.tanh(x), atol=3e-7, rtol=0)
+    grad = torch.func.grad(lambda v: torch.compile(mod.Tanh())(v).sum())(x)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, 1 - torch.tanh(x) ** 2, atol=1e-6, rtol=0)
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("name", ["ppo_cartpole_gpu"])
+def test_compiled_defaults_solve_cartpole(name, in_tmp):
+    """The defaults with --compile solve CartPole, and SPS leaves out iteration 1 (compilation)."""
+    import glob
+    import json
+
+    mod = import_script(name)
+    mod.train(mod.Args(compile=True, progress_bar=False, seed=1))
+    (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
+    summary = json.load(open(path))
+    assert summary["solved_at_step"] is not None and summary["solved_at_step"] <= 400_000, summary
+    assert summary["eval_mean_return"] >= 475
+    assert summary["mean_sps"] * summary["wall_seconds"] < summary["total_env_steps"]  # iteration 1 not counted
