@@ -1,9 +1,13 @@
 """Speed benchmark for the tensor CartPole and the CartPole scripts, side by side in one run.
 
-Prints one markdown table (with the command and the machine) comparing:
-  1. env steps/s, random actions: our torch CartPole vs gymnasium's numpy vector CartPole
+Prints three markdown tables (with the command and the machine):
+  1. env steps/s, random actions: our torch CartPole, eager and torch.compile'd (as `--compile` runs
+     it: 16 steps per graph), vs gymnasium's numpy vector CartPole
      (`gymnasium.make_vec("CartPole-v1", vectorization_mode="vector_entry_point")`);
-  2. PPO training steps/s of ppo_cartpole_gpu.py at --num-envs 4096 (other flags default);
+  2. ppo_cartpole_gpu.py eager, with `--compile`, and a PureJaxRL-style JAX PPO with the same physics
+     and hyperparameters (benchmarks/jax_ppo_cartpole.py), at 128x16 and 4096x16: training SPS after
+     compilation, and time-to-solve as training-loop seconds and as whole-process seconds (process
+     start to solved, compilation included, cold caches: each run is a fresh process);
   3. time-to-solve (training seconds and env steps until the mean return of the last 100
      episodes first reaches 475) of reinforce.py, vpg.py and ppo_cartpole_gpu.py on their
      defaults, and of a CleanRL-style baseline written below (PPO, 4 gymnasium CartPole-v1 envs in
@@ -11,21 +15,26 @@ Prints one markdown table (with the command and the machine) comparing:
 The time-to-solve runs keep their TensorBoard logs under `--logdir`; benchmarks/plot_curves.py
 draws them.
 
-    python benchmarks/cartpole.py                 # everything, ~5 minutes on a 2-core CPU
+    python benchmarks/cartpole.py                 # everything, ~15 minutes on a 2-core CPU
     python benchmarks/cartpole.py --seeds 1       # one seed per time-to-solve row
     python benchmarks/plot_curves.py              # the learning-curve PNG from those logs
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import gymnasium as gym
+import jax
 import numpy as np
 import torch
 import torch.nn as nn
@@ -54,6 +63,12 @@ class BenchArgs:
     """leave out the CleanRL-style baseline (quick runs)"""
     logdir: str = "benchmarks/logs"
     """folder whose runs/ keeps the TensorBoard logs of the time-to-solve runs (emptied first)"""
+    peer_sizes: list[int] = field(default_factory=lambda: [128, 4096])
+    """--num-envs of the eager / --compile / JAX-peer rows (16 steps each, the other flags default)"""
+    peer_seeds: list[int] = field(default_factory=lambda: [1, 2])
+    """seeds of the eager / --compile / JAX-peer time-to-solve runs (whole processes, cold caches)"""
+    skip_peer: bool = False
+    """leave out the eager / --compile / JAX-peer comparison"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +92,8 @@ def best_rate(step_fn, n_envs: int, seconds: float, repeats: int = 3) -> float:
     return max(rates)
 
 
-def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, float]:
+def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, float, float]:
+    """Env steps/s of our CartPole eager, compiled, and of gymnasium's numpy vector env."""
     env = ours.CartPole(n, device, seed=0)
     env.reset()
     actions = torch.randint(0, 2, (64, n), device=device)
@@ -86,6 +102,19 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
         env.step(actions[i % 64])
 
     rate_ours = best_rate(ours_step, n, seconds)
+
+    # compiled as `--compile` runs it: 16 steps in one graph (as in a 16-step rollout), the reset states
+    # drawn up front, inside the timing
+    def sixteen_steps(actions, initial_states):
+        for t in range(16):
+            env.step(actions[t], initial_states[t])
+
+    compiled_steps = torch.compile(sixteen_steps, fullgraph=True)
+
+    def compiled(i):
+        compiled_steps(actions[16 * (i % 4) : 16 * (i % 4 + 1)], env.draw_initial_states(16))
+
+    rate_compiled = 16 * best_rate(compiled, n, seconds)
     if device.type == "cuda":
         torch.cuda.synchronize()
     ref = gym.make_vec("CartPole-v1", num_envs=n, vectorization_mode="vector_entry_point")
@@ -93,7 +122,7 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
     np_actions = np.random.default_rng(0).integers(0, 2, size=(64, n))
     rate_ref = best_rate(lambda i: ref.step(np_actions[i % 64]), n, seconds)
     ref.close()
-    return rate_ours, rate_ref
+    return rate_ours, rate_compiled, rate_ref
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,6 +227,64 @@ def cleanrl_baseline(seed: int, max_steps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# 4. eager vs --compile vs the PureJaxRL-style JAX peer (benchmarks/jax_ppo_cartpole.py)
+# ----------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_MODES = ("eager", "--compile", "JAX peer")
+
+
+def peer_command(mode: str, n: int, seed: int, iterations: int | None) -> list[str]:
+    """The command line of one run: time-to-solve (stop at the 475 threshold) or `iterations` iterations."""
+    common = ["--num-envs", str(n), "--seed", str(seed)]
+    if mode == "JAX peer":
+        limit = ["--target-return", "475"] if iterations is None else ["--total-timesteps", str(n * 16 * iterations),
+                                                                        "--target-return", "inf"]  # fmt: skip
+        return [sys.executable, os.path.join(ROOT, "benchmarks", "jax_ppo_cartpole.py"), *common, *limit]
+    limit = ["--target-return", "475"] if iterations is None else ["--total-timesteps", str(n * 16 * iterations),
+                                                                    "--target-return", "None"]  # fmt: skip
+    flags = ["--no-progress-bar", "--eval-episodes", "0"] + (["--compile"] if mode == "--compile" else [])
+    return [sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *common, *limit, *flags]
+
+
+def peer_run(mode: str, n: int, seed: int, iterations: int | None = None) -> dict:
+    """One run as a fresh process with cold compilation caches (a user's first run); returns its SPS
+    (after compilation), training-loop seconds to solve, and the whole process's seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
+        start = time.perf_counter()
+        out = subprocess.run(peer_command(mode, n, seed, iterations), cwd=tmp, env=env, capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        process = time.perf_counter() - start
+        if mode == "JAX peer":
+            result = json.loads(out.strip().splitlines()[-1])
+        else:
+            (path,) = glob.glob(os.path.join(tmp, "runs", "*", "summary.json"))
+            result = json.load(open(path))
+    return {"sps": result["mean_sps"], "solved_at_seconds": result["solved_at_seconds"],
+            "solved_at_step": result["solved_at_step"], "process_seconds": process}  # fmt: skip
+
+
+def peer_rows(bench: BenchArgs) -> list[tuple]:
+    rows = []
+    for n in bench.peer_sizes:
+        iterations = 60 if n <= 512 else 15
+        sps = {mode: peer_run(mode, n, 1, iterations)["sps"] for mode in PEER_MODES}
+        ratio = f"{sps['--compile'] / sps['JAX peer']:.2f}x"
+        rows.append((f"training SPS after compilation, {n}x16 ({iterations} iterations)",
+                     *(f"{sps[m]:,.0f}" for m in PEER_MODES), ratio))  # fmt: skip
+        print(rows[-1], file=sys.stderr)
+        solved = {mode: [peer_run(mode, n, seed) for seed in bench.peer_seeds] for mode in PEER_MODES}
+        for key, label in (("solved_at_seconds", "training loop"), ("process_seconds", "whole process")):
+            means = {m: [r[key] if r["solved_at_step"] is not None else None for r in solved[m]] for m in PEER_MODES}
+            ok = all(None not in v for v in means.values())
+            ratio = f"{statistics.mean(means['JAX peer']) / statistics.mean(means['--compile']):.2f}x" if ok else ""
+            rows.append((f"time-to-solve (475), {label}, s, {n}x16, seeds {','.join(map(str, bench.peer_seeds))}",
+                         *(spread(means[m], ".1f") for m in PEER_MODES), ratio))  # fmt: skip
+            print(rows[-1], file=sys.stderr)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 def spread(values: list[float], fmt: str) -> str:
     """'mean (min–max)' of the solved runs, and how many did not solve."""
     solved = [v for v in values if v is not None]
@@ -215,19 +302,16 @@ def main() -> None:
     bench = tyro.cli(BenchArgs)
     device = torch.device(bench.device)
     torch.set_num_threads(cores())
-    rows = []
+    rows, env_rows = [], []
     for n in bench.env_sizes:
-        r_ours, r_ref = env_rates(n, device, bench.seconds_per_measure)
-        rows.append((f"env steps/s, random actions, N={n}", f"{r_ours:,.0f} ({device.type})", f"{r_ref:,.0f}",
-                     f"{r_ours / r_ref:.2f}x"))  # fmt: skip
-        print(rows[-1], file=sys.stderr)
+        r_ours, r_compiled, r_ref = env_rates(n, device, bench.seconds_per_measure)
+        env_rows.append((f"env steps/s, random actions, N={n} ({device.type})", f"{r_ours:,.0f}", f"{r_compiled:,.0f}",
+                         f"{r_ref:,.0f}", f"{r_ours / r_ref:.2f}x / {r_compiled / r_ref:.2f}x"))  # fmt: skip
+        print(env_rows[-1], file=sys.stderr)
+    peer = [] if bench.skip_peer else peer_rows(bench)
 
     shutil.rmtree(os.path.join(bench.logdir, "runs"), ignore_errors=True)
     os.makedirs(bench.logdir, exist_ok=True)
-    s = train_and_summarize(ours, ours.Args(num_envs=4096, target_return=None, total_timesteps=4096 * 16 * 20,
-                                            device=bench.device, progress_bar=False, eval_episodes=0))  # fmt: skip
-    rows.append(("PPO training SPS, --num-envs 4096 (20 iterations)", f"{s['mean_sps']:,.0f} ({device.type})", "", ""))
-    print(rows[-1], file=sys.stderr)
 
     seeds = ",".join(map(str, bench.seeds))
     base = [] if bench.skip_baseline else [cleanrl_baseline(seed, bench.baseline_max_steps) for seed in bench.seeds]
@@ -245,8 +329,17 @@ def main() -> None:
                      spread([b["solved_at_step"] for b in base], ",.0f") if base else "", ""))  # fmt: skip
         print(rows[-2:], file=sys.stderr)
 
-    print(f"\n`python {' '.join(sys.argv)}` on {machine(gym)}\n")
-    print("| measure | ours | gymnasium / CleanRL-style | ratio |")
+    print(f"\n`python {' '.join(sys.argv)}` on {machine(gym, jax)}\n")
+    print("| measure | ours, eager | ours, --compile | gymnasium | ratio (eager / compiled) |")
+    print("|---|---|---|---|---|")
+    for row in env_rows:
+        print("| " + " | ".join(row) + " |")
+    if peer:
+        print("\n| ppo_cartpole_gpu.py vs the JAX peer | eager | --compile | JAX peer | compiled vs JAX |")
+        print("|---|---|---|---|---|")
+        for row in peer:
+            print("| " + " | ".join(row) + " |")
+    print("\n| measure | ours | CleanRL-style | ratio |")
     print("|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
