@@ -46,12 +46,14 @@ import shutil
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from enum import Enum
 from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import tyro
 
@@ -131,6 +133,9 @@ class Args:
     """whole games played by the final policy after training, scored with the real rewards (0 skips)"""
     progress_bar: bool = True
     """show a live progress bar with SPS and the recent game score"""
+
+
+DATA_PARALLEL = False  # not under torchrun yet (ppo_cartpole_gpu.py is; README: "Scaling out")
 
 
 class UsageError(ValueError):
@@ -495,7 +500,9 @@ class Run:
         self.args = args
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = os.path.join("runs", self.name)
-        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.threshold = None
+        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.writer = self.threshold = None
+        # under torchrun, rank 0 alone writes; the logged numbers cover every rank
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.iteration = self.global_step = self.episodes = self.uncounted_steps = 0
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
@@ -505,6 +512,8 @@ class Run:
         from torch.utils.tensorboard import SummaryWriter
 
         self.created = self.start_time = time.perf_counter()
+        if self.rank != 0:
+            return self
         if self.args.track:
             import wandb
 
@@ -521,7 +530,9 @@ class Run:
         self.agent, self.envs, self.optimizer = agent, envs, optimizer
         self.device = next(agent.parameters()).device
         self.threshold = getattr(envs, "reward_threshold", None)
-        if self.args.progress_bar:
+        for tensor in agent.state_dict().values() if self.world_size > 1 else ():
+            dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
+        if self.args.progress_bar and self.rank == 0:
             from tqdm import tqdm
 
             self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
@@ -532,20 +543,28 @@ class Run:
         self.total_steps, self.start_time = total_steps, time.perf_counter()
 
     def note(self, message: str) -> None:
-        """One line to stderr that does not break the progress bar."""
-        (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
+        """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
+        if self.rank == 0:
+            (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
         """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
-        loss; film when due. Returns True once the target return is reached."""
+        loss; film when due. Returns True once the target return is reached. Under torchrun every rank
+        gets every rank's numbers (one all-gather), so all take the same decisions."""
         self.iteration += 1
-        self.global_step += env_steps
+        self.global_step += env_steps * self.world_size
         ended, returns, lengths = self.finished_episodes(rollout)
         scalars = torch.stack(list(stats.values())).float()
         episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        host = torch.cat((scalars, episodes.flatten())).cpu().numpy()  # the iteration's one host read
-        values = dict(zip(stats, host[: len(stats)].tolist()))
-        ended, returns, lengths = host[len(stats) :].reshape(3, -1)
+        local = torch.cat((scalars, episodes.flatten()))
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)] if self.world_size > 1 else [local]
+        if self.world_size > 1:
+            dist.all_gather(gathered, local)
+        host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
+        values = dict(zip(stats, host[:, : len(stats)].mean(0).tolist()))  # the ranks' mean losses
+        ended, returns, lengths = (
+            host[:, len(stats) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
+        )
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         # explained variance is NaN by design when the returns are constant; every loss must be finite
         if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
@@ -560,6 +579,10 @@ class Run:
         if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
             self.solved_step, self.solved_seconds = self.global_step, elapsed
 
+        target = self.args.target_return
+        self.target_reached = target is not None and full and mean_recent >= target
+        if self.rank != 0:  # the other ranks keep only the bookkeeping that decides when to stop
+            return self.target_reached
         if len(returns):
             self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
             self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
@@ -583,8 +606,6 @@ class Run:
             # iteration 1 compiled the graphs: SPS and the time to solve count from here (LeanRL's burn-in)
             self.note(f"--compile: iteration 1 took {elapsed:.1f} s (compilation), not counted in SPS")
             self.start_time, self.uncounted_steps = time.perf_counter(), self.global_step
-        target = self.args.target_return
-        self.target_reached = target is not None and full and mean_recent >= target
         return self.target_reached
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -599,12 +620,15 @@ class Run:
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
+        if self.rank != 0:
+            return False
         elapsed = time.perf_counter() - self.start_time
         summary = {  # the same keys in every script; None where a value does not apply
             "env_id": self.args.env_id,
             "exp_name": self.args.exp_name,
             "seed": self.args.seed,
             "device": self.args.device,
+            "world_size": self.world_size,  # processes under torchrun (1 without)
             "status": status.value,
             "total_env_steps": self.global_step,
             "iterations": self.iteration,
@@ -756,6 +780,39 @@ def validate_run_flags(args) -> torch.device:
     return device
 
 
+def average_gradients(module: nn.Module) -> None:
+    """Data parallel under torchrun: each gradient becomes its mean over the ranks, in one all-reduce of
+    all of them flattened together. Nothing to do in a single process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    for grad, mean in zip(grads, (flat / dist.get_world_size()).split([g.numel() for g in grads])):
+        grad.copy_(mean.view_as(grad))
+
+
+def join_process_group(args, device: torch.device) -> torch.device:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, Gloo on the CPU; a collective
+    that waits 5 minutes for a lost rank fails instead of hanging) and return this rank's device, GPU
+    LOCAL_RANK on CUDA. In a single process: the device unchanged."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device
+    script = os.path.basename(sys.argv[0])
+    if not DATA_PARALLEL:
+        raise UsageError(f"{script} does not run under torchrun yet: run it as one process")
+    if getattr(args, "compile", False):
+        raise UsageError("--compile does not run under torchrun yet: leave out --compile")
+    local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if device.type == "cuda":
+        if torch.cuda.device_count() < local_size:
+            raise UsageError(f"{local_size} processes per machine need as many GPUs; {torch.cuda.device_count()} found")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
+    return device
+
+
 def available_cores() -> int:
     """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
     if hasattr(os, "sched_getaffinity"):
@@ -785,18 +842,25 @@ def parse_args() -> Args:
 def main() -> None:
     try:
         args = parse_args()
-        device = validate(args)
-        if device.type == "cpu":  # process-wide, so set here rather than inside train()
-            torch.set_num_threads(args.torch_threads or available_cores())
-        train(args)
+        device = join_process_group(args, validate(args))
+        if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
+            per_rank = available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(args.torch_threads or max(1, per_rank))
+        train(args if device.type == "cpu" else replace(args, device=str(device)))
+        if dist.is_initialized():
+            dist.barrier()  # every rank waits for rank 0's writing: leaving the group early can abort Gloo
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds the same error: say it once
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except KeyboardInterrupt:
         print("interrupted: logs and summary.json written (and the model, with --save-model)", file=sys.stderr)
         sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

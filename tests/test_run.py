@@ -17,7 +17,7 @@ from conftest import ALL_SCRIPTS, SCRIPTS, SUMMARY_KEYS, import_script
 
 MARKER = "    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----"
 SHARED = ["Status", "write_video", "validate_run_flags", "available_cores", "parse_args", "main", "UsageError",
-          "NonFiniteLossError"]  # fmt: skip
+          "NonFiniteLossError", "average_gradients", "join_process_group"]  # fmt: skip
 CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "Tanh", "mlp",
                    "Run", "Rollout", "RolloutNoise", "collect_rollout", "gradient_step", "functional_gradient_step",
                    "hot_phases"]  # fmt: skip

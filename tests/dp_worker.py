@@ -1,0 +1,47 @@
+"""Run by tests/test_distributed.py as `torchrun --standalone --nproc_per_node 2 tests/dp_worker.py OUT`
+(Gloo, CPU): each rank saves what the test compares to OUT/*.pt.
+
+1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
+   without per-minibatch advantage normalisation.
+2. A few iterations of `train()` (16 envs x 8 steps per rank): the weights every rank ends with.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_cartpole_gpu as P  # noqa: E402
+
+
+def fixed_batch(n: int = 64) -> P.Batch:
+    g = torch.Generator().manual_seed(1)
+    return P.Batch(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g),
+                   torch.randn(n, generator=g) - 0.7, torch.randn(n, generator=g), torch.randn(n, generator=g),
+                   torch.randn(n, generator=g))  # fmt: skip
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    for norm_adv in (False, True):
+        torch.manual_seed(0)
+        agent = P.Agent(4, 2)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
+        half = P.Batch(*(x[32 * rank : 32 * (rank + 1)] for x in fixed_batch()))
+        P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=norm_adv, max_grad_norm=0.05), half)
+        torch.save(agent.state_dict(), os.path.join(out, f"step_norm{int(norm_adv)}_rank{rank}.pt"))
+    os.chdir(out)
+    args = P.Args(num_envs=16, num_steps=8, total_timesteps=2 * 16 * 8 * 5, target_return=None, eval_episodes=0,
+                  progress_bar=False, device="cpu")  # fmt: skip
+    agent = P.train(args)
+    torch.save(agent.state_dict(), os.path.join(out, f"train_rank{rank}.pt"))
+    dist.barrier()  # as the scripts' main: nobody leaves the group before rank 0 has written
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
