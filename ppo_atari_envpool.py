@@ -64,13 +64,13 @@ class Args:
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
     total_timesteps: int = 10_000_000
-    """agent steps in total (each is 4 emulator frames)"""
+    """agent steps in total, all torchrun ranks together (each is 4 emulator frames)"""
     target_return: Optional[float] = None
     """stop once the mean score of the last 100 games reaches this (None: run all steps)"""
     learning_rate: float = 2.5e-4
     """Adam learning rate"""
     num_envs: int = 8
-    """parallel game instances"""
+    """parallel game instances (per process under torchrun)"""
     num_steps: int = 128
     """steps per environment per rollout"""
     anneal_lr: bool = True
@@ -135,7 +135,7 @@ class Args:
     """show a live progress bar with SPS and the recent game score"""
 
 
-DATA_PARALLEL = False  # not under torchrun yet (ppo_cartpole_gpu.py is; README: "Scaling out")
+DATA_PARALLEL = True  # runs under torchrun, one process per GPU or CPU share (README: "Scaling out")
 
 
 class UsageError(ValueError):
@@ -433,10 +433,12 @@ def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: A
             loss, stats = ppo_loss(agent, args, *(x[idx] for x in batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            average_gradients(agent)  # data parallel under torchrun: the mean gradient over the ranks
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
             history.append(stats)
-        if args.target_kl is not None and stats["losses/approx_kl"] > args.target_kl:  # a host read per epoch
+        # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
+        if args.target_kl is not None and mean_over_ranks(stats["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
@@ -449,18 +451,18 @@ def train(args: Args) -> Agent:
     """
     device = torch.device(args.device)
     T, N = args.num_steps, args.num_envs
-    num_iterations = args.total_timesteps // (T * N)
     env_batch = N // 2 if args.async_envs else N  # async: EnvPool emulates half the envs while the policy acts
     with Run(args) as run:
-        envs = make_env(args.env_id, N, args.seed, batch_size=env_batch)
-        torch.manual_seed(args.seed)
-        agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)
+        num_iterations = args.total_timesteps // (T * N * run.world_size)  # --total-timesteps counts all ranks'
+        envs = make_env(args.env_id, N, args.seed + run.rank * N, batch_size=env_batch)  # env i gets seed + i
+        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
+        agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)  # rank 0's, see run.start
         if args.compile:  # compile the forward pass only, so the weights keep their plain names
             agent.forward = torch.compile(agent.forward)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # eps: detail 3
         rollout = Rollout.empty(T, N, device)
         envs.async_reset()
-        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N)
+        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N * run.world_size)
         for iteration in range(1, num_iterations + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
@@ -552,18 +554,22 @@ class Run:
         loss; film when due. Returns True once the target return is reached. Under torchrun every rank
         gets every rank's numbers (one all-gather), so all take the same decisions."""
         self.iteration += 1
-        self.global_step += env_steps * self.world_size
         ended, returns, lengths = self.finished_episodes(rollout)
-        scalars = torch.stack(list(stats.values())).float()
+        scalars = torch.stack([torch.tensor(float(env_steps), device=self.device), *stats.values()]).float()
         episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        local = torch.cat((scalars, episodes.flatten()))
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)] if self.world_size > 1 else [local]
-        if self.world_size > 1:
+        gathered = [torch.cat((scalars, episodes.flatten()))]
+        if self.world_size > 1:  # every rank's numbers to every rank, episodes padded to the longest list
+            longest = torch.tensor(episodes.shape[1], device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            local = torch.cat((scalars, nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1])).flatten()))
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
         host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
-        values = dict(zip(stats, host[:, : len(stats)].mean(0).tolist()))  # the ranks' mean losses
+        env_steps = int(host[:, 0].sum())  # every rank's steps
+        self.global_step += env_steps
+        values = dict(zip(stats, host[:, 1 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = (
-            host[:, len(stats) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
+            host[:, len(scalars) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
         )
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         # explained variance is NaN by design when the returns are constant; every loss must be finite
@@ -778,6 +784,15 @@ def validate_run_flags(args) -> torch.device:
             except ImportError:
                 raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
     return device
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of `value` over the torchrun ranks (itself in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 def average_gradients(module: nn.Module) -> None:

@@ -521,7 +521,8 @@ def update(gradient_step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
         for idx in torch.randperm(len(batch.actions), device=batch.actions.device).split(minibatch_size):
             stats = gradient_step(batch, idx)
             history.append(stats)
-        if args.target_kl is not None and stats["losses/approx_kl"] > args.target_kl:  # a host read per epoch
+        # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
+        if args.target_kl is not None and mean_over_ranks(stats["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
@@ -695,18 +696,22 @@ class Run:
         loss; film when due. Returns True once the target return is reached. Under torchrun every rank
         gets every rank's numbers (one all-gather), so all take the same decisions."""
         self.iteration += 1
-        self.global_step += env_steps * self.world_size
         ended, returns, lengths = self.finished_episodes(rollout)
-        scalars = torch.stack(list(stats.values())).float()
+        scalars = torch.stack([torch.tensor(float(env_steps), device=self.device), *stats.values()]).float()
         episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        local = torch.cat((scalars, episodes.flatten()))
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)] if self.world_size > 1 else [local]
-        if self.world_size > 1:
+        gathered = [torch.cat((scalars, episodes.flatten()))]
+        if self.world_size > 1:  # every rank's numbers to every rank, episodes padded to the longest list
+            longest = torch.tensor(episodes.shape[1], device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            local = torch.cat((scalars, nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1])).flatten()))
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
         host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
-        values = dict(zip(stats, host[:, : len(stats)].mean(0).tolist()))  # the ranks' mean losses
+        env_steps = int(host[:, 0].sum())  # every rank's steps
+        self.global_step += env_steps
+        values = dict(zip(stats, host[:, 1 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = (
-            host[:, len(stats) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
+            host[:, len(scalars) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
         )
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         # explained variance is NaN by design when the returns are constant; every loss must be finite
@@ -902,6 +907,15 @@ def validate_run_flags(args) -> torch.device:
             except ImportError:
                 raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
     return device
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of `value` over the torchrun ranks (itself in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 def average_gradients(module: nn.Module) -> None:

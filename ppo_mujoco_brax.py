@@ -70,13 +70,13 @@ class Args:
     episode_length: int = 1000
     """steps after which an episode is truncated"""
     total_timesteps: int = 5_000_000
-    """environment steps in total"""
+    """environment steps in total, all torchrun ranks together"""
     target_return: Optional[float] = None
     """stop once the mean return of the last 100 episodes reaches this (None: run all steps)"""
     learning_rate: float = 3e-4
     """Adam learning rate"""
     num_envs: int = 2048
-    """parallel environments"""
+    """parallel environments (per process under torchrun)"""
     num_steps: int = 10
     """steps per environment per rollout (Brax's short unrolls)"""
     anneal_lr: bool = True
@@ -137,7 +137,7 @@ class Args:
     """show a live progress bar with SPS and the recent return"""
 
 
-DATA_PARALLEL = False  # not under torchrun yet (ppo_cartpole_gpu.py is; README: "Scaling out")
+DATA_PARALLEL = True  # runs under torchrun, one process per GPU or CPU share (README: "Scaling out")
 
 
 class UsageError(ValueError):
@@ -220,7 +220,9 @@ class BraxVecEnv:
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
         # A key committed to JAX's device, as the arrays that reset and step return are: with an uncommitted
         # one, the first reset and step would be compiled a second time for those.
-        self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[0])
+        # (under torchrun on GPUs, this rank's GPU LOCAL_RANK, as torch's)
+        jax_index = int(os.environ.get("LOCAL_RANK", "0")) % len(jax.devices())
+        self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[jax_index])
         # compile now rather than in the first training steps: a reset and a step (reset() starts afresh)
         state, length, ret, key = self._reset(self._key)
         self._key = self._step(state, length, ret, key, self.to_jax(torch.zeros(num_envs, self.action_dim)))[3]
@@ -263,6 +265,12 @@ class RunningMeanStd(nn.Module):
     def update(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, *self.mean.shape).double()
         batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun: the statistics of all ranks' batches
+            sums = torch.cat((x.sum(0).flatten(), x.square().sum(0).flatten(), x.new_tensor([n])))
+            dist.all_reduce(sums)
+            n = sums[-1]
+            batch_mean = (sums[: self.mean.numel()] / n).view_as(self.mean)
+            batch_var = (sums[self.mean.numel() : -1] / n).view_as(self.mean) - batch_mean.square()
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total
         self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
@@ -453,10 +461,12 @@ def update(agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: A
             loss, stats = ppo_loss(agent, args, *(x[idx] for x in batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            average_gradients(agent)  # data parallel under torchrun: the mean gradient over the ranks
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
             history.append(stats)
-        if args.target_kl is not None and stats["losses/approx_kl"] > args.target_kl:  # a host read per epoch
+        # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
+        if args.target_kl is not None and mean_over_ranks(stats["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
@@ -470,16 +480,16 @@ def train(args: Args) -> Agent:
     """
     device = torch.device(args.device)
     T, N = args.num_steps, args.num_envs
-    num_iterations = args.total_timesteps // (T * N)
     with Run(args) as run:
-        torch.manual_seed(args.seed)
-        envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed)
-        agent = Agent(envs.obs_dim, envs.action_dim, norm_obs=args.norm_obs).to(device)
+        num_iterations = args.total_timesteps // (T * N * run.world_size)  # --total-timesteps counts all ranks'
+        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
+        envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + run.rank)
+        agent = Agent(envs.obs_dim, envs.action_dim, norm_obs=args.norm_obs).to(device)  # rank 0's, see run.start
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
         rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
         raw_obs, _ = envs.reset()
-        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N)
+        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N * run.world_size)
         for iteration in range(1, num_iterations + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
@@ -571,18 +581,22 @@ class Run:
         loss; film when due. Returns True once the target return is reached. Under torchrun every rank
         gets every rank's numbers (one all-gather), so all take the same decisions."""
         self.iteration += 1
-        self.global_step += env_steps * self.world_size
         ended, returns, lengths = self.finished_episodes(rollout)
-        scalars = torch.stack(list(stats.values())).float()
+        scalars = torch.stack([torch.tensor(float(env_steps), device=self.device), *stats.values()]).float()
         episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        local = torch.cat((scalars, episodes.flatten()))
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)] if self.world_size > 1 else [local]
-        if self.world_size > 1:
+        gathered = [torch.cat((scalars, episodes.flatten()))]
+        if self.world_size > 1:  # every rank's numbers to every rank, episodes padded to the longest list
+            longest = torch.tensor(episodes.shape[1], device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            local = torch.cat((scalars, nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1])).flatten()))
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
         host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
-        values = dict(zip(stats, host[:, : len(stats)].mean(0).tolist()))  # the ranks' mean losses
+        env_steps = int(host[:, 0].sum())  # every rank's steps
+        self.global_step += env_steps
+        values = dict(zip(stats, host[:, 1 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = (
-            host[:, len(stats) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
+            host[:, len(scalars) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
         )
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         # explained variance is NaN by design when the returns are constant; every loss must be finite
@@ -817,6 +831,15 @@ def validate_run_flags(args) -> torch.device:
             except ImportError:
                 raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
     return device
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of `value` over the torchrun ranks (itself in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 def average_gradients(module: nn.Module) -> None:

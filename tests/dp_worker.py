@@ -4,6 +4,7 @@
 1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
    without per-minibatch advantage normalisation.
 2. A few iterations of `train()` (16 envs x 8 steps per rank): the weights every rank ends with.
+3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
 """
 
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_cartpole_gpu as P  # noqa: E402
+import ppo_mujoco_brax as B  # noqa: E402  (torch only: JAX is imported when a Brax env is built)
 
 
 def fixed_batch(n: int = 64) -> P.Batch:
@@ -34,6 +36,9 @@ def main(out: str) -> None:
         half = P.Batch(*(x[32 * rank : 32 * (rank + 1)] for x in fixed_batch()))
         P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=norm_adv, max_grad_norm=0.05), half)
         torch.save(agent.state_dict(), os.path.join(out, f"step_norm{int(norm_adv)}_rank{rank}.pt"))
+    rms = B.RunningMeanStd((3,))
+    rms.update(torch.randn(40, 3, generator=torch.Generator().manual_seed(2))[20 * rank : 20 * (rank + 1)] * 2 + 1)
+    torch.save(rms.state_dict(), os.path.join(out, f"rms_rank{rank}.pt"))
     os.chdir(out)
     args = P.Args(num_envs=16, num_steps=8, total_timesteps=2 * 16 * 8 * 5, target_return=None, eval_episodes=0,
                   progress_bar=False, device="cpu")  # fmt: skip

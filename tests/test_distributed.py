@@ -72,6 +72,32 @@ def test_ranks_stay_bit_identical_and_rank_0_writes_alone(worker_outputs):
     assert summary["total_env_steps"] == 2 * 16 * 8 * 5 and summary["iterations"] == 5
 
 
+def test_observation_statistics_cover_all_ranks(worker_outputs):
+    """Brax's observation normaliser on 2 ranks with half a batch each = one process on the whole batch."""
+    rms = import_script("ppo_mujoco_brax").RunningMeanStd((3,))
+    rms.update(torch.randn(40, 3, generator=torch.Generator().manual_seed(2)) * 2 + 1)
+    for rank in (0, 1):
+        got = torch.load(worker_outputs / f"rms_rank{rank}.pt")
+        for key, value in rms.state_dict().items():
+            torch.testing.assert_close(got[key], value, msg=key)
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("ppo_atari_envpool", ["--num-envs", "4", "--total-timesteps", "1024", "--async-envs", "--save-model"]),
+    ("ppo_mujoco_brax", ["--env-id", "inverted_pendulum", "--num-envs", "16", "--num-steps", "8",
+                         "--total-timesteps", "1024", "--save-model"]),
+])  # fmt: skip
+def test_short_atari_and_brax_runs_under_torchrun(tmp_path, script, flags):
+    import_script(script)  # skips where the simulator is not installed
+    result = torchrun(os.path.join(ROOT, script + ".py"), *flags, "--no-progress-bar", "--eval-episodes", "1",
+                      cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))  # one run folder: rank 0's
+    summary = json.load(open(path))
+    assert summary["world_size"] == 2 and summary["status"] == "completed" and summary["model_path"], summary
+    assert summary["total_env_steps"] >= 1000 and len(summary["eval_returns"]) == 1
+
+
 @pytest.mark.learning
 def test_torchrun_solves_cartpole(tmp_path):
     result = torchrun(os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--no-progress-bar", "--eval-episodes", "0",
