@@ -5,6 +5,7 @@
    without per-minibatch advantage normalisation.
 2. A few iterations of `train()` (16 envs x 8 steps per rank): the weights every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
+4. `update` of ppo_atari_envpool.py and of ppo_mujoco_brax.py on this rank's half of a fixed batch.
 """
 
 import os
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_atari_envpool as A  # noqa: E402
 import ppo_cartpole_gpu as P  # noqa: E402
 import ppo_mujoco_brax as B  # noqa: E402  (torch only: JAX is imported when a Brax env is built)
 
@@ -23,6 +25,25 @@ def fixed_batch(n: int = 64) -> P.Batch:
     return P.Batch(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g),
                    torch.randn(n, generator=g) - 0.7, torch.randn(n, generator=g), torch.randn(n, generator=g),
                    torch.randn(n, generator=g))  # fmt: skip
+
+
+def update_batches() -> dict:
+    """Fixed 32-row batches for Atari's and Brax's `update` (random numbers: the shapes and dtypes matter)."""
+    g = torch.Generator().manual_seed(3)
+    rest = lambda: [torch.randn(32, generator=g) - (1.5 if i == 0 else 0) for i in range(4)]  # noqa: E731
+    atari_obs = torch.randint(0, 256, (32, 4, 84, 84), generator=g, dtype=torch.uint8)
+    return {"atari": A.Batch(atari_obs, torch.randint(0, 4, (32,), generator=g), *rest()),
+            "brax": B.Batch(torch.randn(32, 3, generator=g), torch.randn(32, 2, generator=g), *rest())}  # fmt: skip
+
+
+def updated(name: str, batch) -> dict:
+    """The weights after `update` (2 epochs, 1 minibatch, no advantage normalisation) on `batch`."""
+    mod = A if name == "atari" else B
+    torch.manual_seed(0)
+    agent = A.Agent(4) if name == "atari" else B.Agent(3, 2)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
+    mod.update(agent, optimizer, batch, mod.Args(norm_adv=False, num_minibatches=1, update_epochs=2))
+    return agent.state_dict()
 
 
 def main(out: str) -> None:
@@ -39,6 +60,9 @@ def main(out: str) -> None:
     rms = B.RunningMeanStd((3,))
     rms.update(torch.randn(40, 3, generator=torch.Generator().manual_seed(2))[20 * rank : 20 * (rank + 1)] * 2 + 1)
     torch.save(rms.state_dict(), os.path.join(out, f"rms_rank{rank}.pt"))
+    for name, batch in update_batches().items():
+        half = type(batch)(*(x[16 * rank : 16 * (rank + 1)] for x in batch))
+        torch.save(updated(name, half), os.path.join(out, f"update_{name}_rank{rank}.pt"))
     os.chdir(out)
     args = P.Args(num_envs=16, num_steps=8, total_timesteps=2 * 16 * 8 * 5, target_return=None, eval_episodes=0,
                   progress_bar=False, device="cpu")  # fmt: skip

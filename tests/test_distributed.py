@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from dp_worker import fixed_batch
+from dp_worker import fixed_batch, update_batches, updated
 
 from conftest import ROOT, import_script
 
@@ -70,6 +70,17 @@ def test_ranks_stay_bit_identical_and_rank_0_writes_alone(worker_outputs):
     summary = json.load(open(path))
     assert summary["world_size"] == 2
     assert summary["total_env_steps"] == 2 * 16 * 8 * 5 and summary["iterations"] == 5
+
+
+@pytest.mark.parametrize("name", ["atari", "brax"])
+def test_atari_and_brax_updates_on_two_ranks_equal_one_process(worker_outputs, name):
+    """Their `update` (2 epochs over one minibatch, no advantage normalisation) on 2 ranks with half a
+    batch each ends where one process on the whole batch does."""
+    expected = updated(name, update_batches()[name])
+    for rank in (0, 1):
+        got = torch.load(worker_outputs / f"update_{name}_rank{rank}.pt")
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
 def test_observation_statistics_cover_all_ranks(worker_outputs):
