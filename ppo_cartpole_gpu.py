@@ -32,7 +32,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -113,6 +115,16 @@ class Args:
     """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
     save_model: bool = False
     """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
+    checkpoint_interval: int = 1000
+    """iterations between checkpoints, <run folder>/checkpoint.pt with all it takes to go on exactly (see
+    `resume`); 0: only the one written when the run ends, Ctrl-C and SIGTERM included"""
+    resume: Optional[str] = None
+    """a run folder (or checkpoint file) to go on from, in that folder; flags left out keep the checkpoint's
+    values, and only --total-timesteps, --target-return and the run-management flags may change"""
+    eval_only: bool = False
+    """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
+    load_model: Optional[str] = None
+    """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
     eval_episodes: int = 10
     """greedy-policy episodes evaluated after training (0 skips the evaluation)"""
     progress_bar: bool = True
@@ -130,6 +142,14 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite."""
 
 
+class StopRequested(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stopped at the end of an iteration, a safe point to checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 # ----------------------------------------------------------------------------------------------
 # Environment
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +161,7 @@ class CartPole:
       reset() -> (obs, info)
       draw_initial_states(T) -> (T, num_envs, obs_dim) states to restart finished envs from, one per step
       step(actions, initial_states=None) -> (obs, reward, terminated, truncated, info)
+      state_dict(), load_state_dict(saved): optional, all that decides the envs' future (checkpoints)
     Finished envs are reset inside `step`, to `initial_states` when given (drawn from the env's generator
     otherwise: passing them keeps random draws out of a compiled rollout). `info` then holds, per env and valid where
     terminated | truncated: "final_obs" (the real last observation), "episode_return",
@@ -186,6 +207,17 @@ class CartPole:
         self.episode_return.zero_()
         self.episode_length.zero_()
         return self.state, {}
+
+    def state_dict(self) -> dict:
+        """The envs' states, episode counters and generator: a checkpoint goes on exactly from them."""
+        return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
+                "generator": self.generator.get_state()}  # fmt: skip
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.state, self.episode_return, self.episode_length = (
+            saved[k].to(self.device) for k in ("state", "episode_return", "episode_length")
+        )
+        self.generator.set_state(saved["generator"])
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         """+1 for every step, the one that ends the episode included (as gymnasium)."""
@@ -306,14 +338,17 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
 
 
 def grid_video(obs: torch.Tensor) -> np.ndarray:
-    """Frames (T, 4*h, 4*w, 3) uint8 of the first 16 envs of a rollout of CartPole observations (T, N, 4)."""
+    """Frames (T, rows*h, cols*w, 3) uint8 of up to 16 envs of CartPole observations (T, N, 4), tiled as squarely
+    as they fit without a wasted row (10 envs: 3x4, 16: 4x4)."""
     frames = draw(obs[:, :16])  # (T, n, h, w, 3)
     t, n, h, w, _ = frames.shape
-    if n < 16:  # fewer than 16 envs: blank tiles fill the grid
-        frames = torch.cat((frames, frames.new_full((t, 16 - n, h, w, 3), 255)), dim=1)
+    rows = math.isqrt(n)
+    cols = -(-n // rows)
+    if n < rows * cols:  # blank tiles fill the last row
+        frames = torch.cat((frames, frames.new_full((t, rows * cols - n, h, w, 3), 255)), dim=1)
     frames[:, :, [0, -1]] = 128  # thin grey border between tiles
     frames[:, :, :, [0, -1]] = 128
-    frames = frames.view(t, 4, 4, h, w, 3).permute(0, 1, 3, 2, 4, 5).reshape(t, 4 * h, 4 * w, 3)
+    frames = frames.view(t, rows, cols, h, w, 3).permute(0, 1, 3, 2, 4, 5).reshape(t, rows * h, cols * w, 3)
     return frames.cpu().numpy()
 
 
@@ -537,18 +572,20 @@ def train(args: Args, envs=None) -> Agent:
     device = torch.device(args.device)
     T, N = args.num_steps, args.num_envs
     with Run(args) as run:
-        num_iterations = args.total_timesteps // (T * N * run.world_size)  # --total-timesteps counts all ranks'
+        # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
+        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
         envs = make_envs(args, device, envs, run.rank)
         agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
         # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        # the hot phases, torch.compile'd with --compile
-        collect, prepare, gradient_step = hot_phases(agent, optimizer, ppo_loss, args, collect_rollout, make_batch)
         rollout = Rollout.empty(T, N, envs.obs_dim, device)
         obs, _ = envs.reset()
-        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N * run.world_size)
-        for iteration in range(1, num_iterations + 1):
+        # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them
+        obs = run.start(agent, envs, optimizer, total_steps=num_iterations * T * N * run.world_size, obs=obs)
+        # the hot phases, torch.compile'd with --compile
+        collect, prepare, gradient_step = hot_phases(agent, optimizer, ppo_loss, args, collect_rollout, make_batch)
+        for iteration in range(run.iteration + 1, num_iterations + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
             obs = collect(agent, envs, obs, rollout, RolloutNoise.draw(envs, T))
@@ -631,26 +668,44 @@ class Status(str, Enum):
     INTERRUPTED = "interrupted"
     NON_FINITE_LOSS = "non-finite loss"
     ERROR = "error"
+    EVALUATED = "evaluated"  # --eval-only
+
+
+# flags that may differ from the checkpoint's on --resume: they change neither the algorithm nor its random draws
+RESUMABLE_CHANGES = {"total_timesteps", "target_return", "device", "torch_threads", "compile", "track",
+                     "wandb_project_name", "wandb_entity", "capture_video", "video_interval", "save_model",
+                     "eval_episodes", "progress_bar", "checkpoint_interval", "resume"}  # fmt: skip
 
 
 class Run:
     """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
-    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, the model, the
-    final evaluation, summary.json and Ctrl-C. `train` opens it with `with Run(args) as run:`, calls
-    `run.start(...)` when training begins and `if run.log(...): break` once per iteration. Leaving the block,
-    normally or by an exception, writes everything; the exception then goes on to `main`."""
+    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, checkpoints and
+    --resume, SIGINT/SIGTERM, the model, the final evaluation and summary.json. `train` opens it with
+    `with Run(args) as run:`, calls `run.start(...)` when training begins (which restores a checkpoint with
+    --resume) and `if run.log(...): break` once per iteration. Leaving the block, normally or by an exception,
+    writes everything; the exception then goes on to `main`."""
 
     def __init__(self, args):
         self.args = args
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = os.path.join("runs", self.name)
+        self.saved = None  # the checkpoint to go on from, with --resume: in its run folder
+        if args.resume:
+            self.saved = read_checkpoint(args.resume)
+            self.dir = os.path.dirname(checkpoint_file(args.resume)) or "."
+            self.name = os.path.basename(os.path.abspath(self.dir))
         self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.writer = self.threshold = None
+        self.stateful: dict = {}  # what a checkpoint keeps: name -> object with state_dict()
         # under torchrun, rank 0 alone writes; the logged numbers cover every rank
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.iteration = self.global_step = self.episodes = self.uncounted_steps = 0
+        self.iteration = self.global_step = self.episodes = self.uncounted_steps = self.resumed_at = 0
+        self.resumed_seconds = 0.0  # training seconds before this process, with --resume
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
         self.target_reached = False
+        self.stop_signal = 0  # SIGINT or SIGTERM once one arrived: stop at the end of the iteration
+        self.checkpointed_at = None  # the iteration of the last checkpoint written or restored
+        self.signal_handlers: dict = {}
 
     def __enter__(self) -> Run:
         from torch.utils.tensorboard import SummaryWriter
@@ -658,33 +713,66 @@ class Run:
         self.created = self.start_time = time.perf_counter()
         if self.rank != 0:
             return self
+        self.made_dir = not os.path.isdir(self.dir)
         if self.args.track:
             import wandb
 
             self.wandb = wandb
             wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(self.args), name=self.name, save_code=True)  # fmt: skip
-        self.writer = SummaryWriter(self.dir)
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+                       config=asdict(self.args), name=self.name, save_code=True,
+                       id=self.saved and self.saved["wandb_id"], resume="allow")  # fmt: skip
+        # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
+        self.writer = SummaryWriter(self.dir, purge_step=self.saved and self.saved["global_step"] + 1)
+        if self.saved is None:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         return self
 
-    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
-        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS)."""
+    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
+        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS). With
+        --resume, the agent, the optimizer, `stateful` (more objects with a state_dict, e.g. a reward scaler), the
+        counters, the RNGs and the envs are restored from the checkpoint (`iteration` then counts the iterations
+        done); with --load-model, the agent's weights. Returns `obs`, or the restored envs' observation."""
         self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
         self.device = next(agent.parameters()).device
         self.threshold = getattr(envs, "reward_threshold", None)
+        if self.saved is not None:
+            obs = self.restore(self.saved, obs)
+            self.saved = None  # the tensors are in place now: free them
+        elif self.args.load_model:
+            saved = read_checkpoint(self.args.load_model, flag="--load-model")
+            try:
+                agent.load_state_dict(saved.get("agent", saved))  # a checkpoint's agent, or a saved model
+            except RuntimeError as e:
+                raise UsageError(f"--load-model {self.args.load_model} does not fit this agent: "
+                                 f"{str(e).splitlines()[-1].strip()}") from None  # fmt: skip
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
-        if self.args.progress_bar and self.rank == 0:
+        if self.args.progress_bar and self.rank == 0 and not self.args.eval_only:
             from tqdm import tqdm
 
-            self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
-        if total_steps < self.args.total_timesteps:
+            self.progress = tqdm(total=total_steps, initial=self.global_step, unit="step", unit_scale=True,
+                                 dynamic_ncols=True)  # fmt: skip
+        if total_steps < self.args.total_timesteps and not self.args.eval_only:
             self.note(
                 f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
             )
-        self.total_steps, self.start_time = total_steps, time.perf_counter()
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self.signal_handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.total_steps, self.start_time = total_steps, time.perf_counter() - self.resumed_seconds
+        self.created -= self.resumed_seconds
+        return obs
+
+    def request_stop(self, signum: int, frame) -> None:
+        """SIGINT/SIGTERM handler: stop at the end of this iteration (checkpoint, logs, summary); a second Ctrl-C
+        stops at once (the checkpoint is then the last periodic one)."""
+        if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.stop_signal:
+            self.stop_signal = signum
+            self.note(f"{signal.Signals(signum).name}: stopping after this iteration, with a checkpoint "
+                      "(Ctrl-C again: at once)")  # fmt: skip
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
@@ -692,24 +780,28 @@ class Run:
             (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
-        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
-        loss; film when due. Returns True once the target return is reached. Under torchrun every rank
-        gets every rank's numbers (one all-gather), so all take the same decisions."""
+        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite loss;
+        film and checkpoint when due; raise StopRequested after SIGINT/SIGTERM. Returns True once the target
+        return is reached. Under torchrun every rank gets every rank's numbers (one all-gather), so all take
+        the same decisions, stopping on a signal too."""
         self.iteration += 1
         ended, returns, lengths = self.finished_episodes(rollout)
-        scalars = torch.stack([torch.tensor(float(env_steps), device=self.device), *stats.values()]).float()
+        scalars = [torch.tensor(float(env_steps), device=self.device), torch.tensor(float(self.stop_signal),
+                   device=self.device), *stats.values()]  # fmt: skip
         episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        gathered = [torch.cat((scalars, episodes.flatten()))]
-        if self.world_size > 1:  # every rank's numbers to every rank, episodes padded to the longest list
+        if self.world_size > 1:  # padded to the longest episode list of any rank, for one all-gather
             longest = torch.tensor(episodes.shape[1], device=self.device)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            local = torch.cat((scalars, nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1])).flatten()))
+            episodes = nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1]))
+        local = torch.cat((torch.stack(scalars).float(), episodes.flatten()))
+        gathered = [local]
+        if self.world_size > 1:
             gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
         host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
-        env_steps = int(host[:, 0].sum())  # every rank's steps
+        env_steps, stop_signal = int(host[:, 0].sum()), int(host[:, 1].max())  # every rank's steps and signals
         self.global_step += env_steps
-        values = dict(zip(stats, host[:, 1 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
+        values = dict(zip(stats, host[:, 2 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = (
             host[:, len(scalars) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
         )
@@ -721,16 +813,23 @@ class Run:
         self.recent_returns.extend(returns.tolist())
         self.episodes += len(returns)
         elapsed = time.perf_counter() - self.start_time
-        sps = int((self.global_step - self.uncounted_steps) / elapsed)
         full = len(self.recent_returns) == self.recent_returns.maxlen
         mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
         if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
             self.solved_step, self.solved_seconds = self.global_step, elapsed
-
         target = self.args.target_return
         self.target_reached = target is not None and full and mean_recent >= target
-        if self.rank != 0:  # the other ranks keep only the bookkeeping that decides when to stop
-            return self.target_reached
+        if self.rank == 0:  # the other ranks keep only the bookkeeping that decides when to stop
+            self.write_iteration(env_steps, values, returns, lengths, mean_recent, elapsed, rollout)
+        if self.args.checkpoint_interval and self.iteration % self.args.checkpoint_interval == 0:
+            self.save_checkpoint()
+        if stop_signal:
+            raise StopRequested(stop_signal)
+        return self.target_reached
+
+    def write_iteration(self, env_steps: int, values: dict, returns, lengths, mean_recent, elapsed, rollout) -> None:
+        """Rank 0's part of `log`: TensorBoard, the ETA note, the progress bar, videos, the compile burn-in."""
+        sps = int((self.global_step - self.uncounted_steps) / elapsed)
         if len(returns):
             self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
             self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
@@ -739,7 +838,7 @@ class Run:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, self.global_step)
         remaining = (self.total_steps - self.global_step) / max(sps, 1)
-        if self.iteration == 3 and remaining > 600:  # long defaults (Atari's 10M steps) should not surprise anyone
+        if self.iteration == self.resumed_at + 3 and remaining > 600:  # long defaults (Atari's 10M) should not surprise
             self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
                       f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
         if self.progress is not None:
@@ -750,15 +849,73 @@ class Run:
             path = self.record_video(rollout, self.iteration)
             if path is not None and self.wandb is not None:
                 self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
-        if self.iteration == 1 and getattr(self.args, "compile", False):
-            # iteration 1 compiled the graphs: SPS and the time to solve count from here (LeanRL's burn-in)
-            self.note(f"--compile: iteration 1 took {elapsed:.1f} s (compilation), not counted in SPS")
-            self.start_time, self.uncounted_steps = time.perf_counter(), self.global_step
-        return self.target_reached
+        if self.iteration == self.resumed_at + 1 and getattr(self.args, "compile", False):
+            # this process's first iteration compiled the graphs: SPS and the time to solve count from here
+            # (LeanRL's burn-in)
+            self.note(f"--compile: iteration {self.iteration} took {elapsed - self.resumed_seconds:.1f} s "
+                      "(compilation), not counted in SPS")  # fmt: skip
+            self.start_time = time.perf_counter() - self.resumed_seconds
+            self.uncounted_steps += env_steps
+
+    def save_checkpoint(self) -> None:
+        """Write <run folder>/checkpoint.pt: the agent, the optimizer (with the learning rate), `stateful`,
+        the counters and the recent returns, and per rank the RNGs and the envs' state. Written to a temporary
+        file renamed over the old one, so a kill during the write leaves the previous checkpoint whole."""
+        mine = {"rng": rng_state(self.device), "envs": self.envs_state()}
+        ranks = [mine]
+        if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
+            ranks = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, ranks, dst=0)
+        self.checkpointed_at = self.iteration
+        if self.rank != 0:
+            return
+        checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {
+            "script": os.path.basename(__file__),
+            "args": asdict(self.args),
+            "iteration": self.iteration,
+            "global_step": self.global_step,
+            "episodes": self.episodes,
+            "recent_returns": list(self.recent_returns),
+            "solved_step": self.solved_step,
+            "solved_seconds": self.solved_seconds,
+            "seconds": time.perf_counter() - self.start_time,  # training seconds so far (SPS, solve time)
+            "setup_seconds": self.start_time - self.created,
+            "uncounted_steps": self.uncounted_steps,
+            "wandb_id": self.wandb.run.id if self.wandb is not None else None,
+            "ranks": ranks,
+        }
+        path = os.path.join(self.dir, "checkpoint.pt")
+        with open(path + ".tmp", "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
+        os.replace(path + ".tmp", path)  # atomic
+
+    def restore(self, saved: dict, obs):
+        """--resume: everything `save_checkpoint` wrote back in place; returns the observation to go on from."""
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(saved[name])
+        self.iteration = self.resumed_at = self.checkpointed_at = saved["iteration"]
+        self.global_step, self.episodes = saved["global_step"], saved["episodes"]
+        self.recent_returns.extend(saved["recent_returns"])
+        self.solved_step, self.solved_seconds = saved["solved_step"], saved["solved_seconds"]
+        self.resumed_seconds, self.uncounted_steps = saved["seconds"], saved["uncounted_steps"]
+        self.created -= saved["setup_seconds"]
+        if len(saved["ranks"]) == self.world_size:
+            set_rng_state(saved["ranks"][self.rank]["rng"], self.device)
+            obs = self.restore_envs(saved["ranks"][self.rank]["envs"], obs)
+        else:
+            self.note(f"the checkpoint has {len(saved['ranks'])} ranks' envs and random states, this run "
+                      f"{self.world_size}: the envs restart and the random draws differ")  # fmt: skip
+        self.note(f"resumed {self.dir} at iteration {self.iteration} (step {self.global_step:,})")
+        return obs
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        for sig, handler in self.signal_handlers.items():
+            signal.signal(sig, handler)
         if exc_type is None:
             status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
+            status = Status.EVALUATED if self.args.eval_only else status
         elif issubclass(exc_type, KeyboardInterrupt):
             status = Status.INTERRUPTED
         elif issubclass(exc_type, NonFiniteLossError):
@@ -768,6 +925,21 @@ class Run:
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
+        if exc_type is not None and issubclass(exc_type, UsageError):  # a bad flag found late: leave no trace
+            if self.writer is not None:
+                self.writer.close()
+                if self.made_dir:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+            return False
+        # at the end of an iteration the state is whole: worth a checkpoint (not after a second Ctrl-C)
+        at_safe_point = status in (Status.COMPLETED, Status.TARGET_REACHED) or exc_type is StopRequested
+        if (
+            self.agent is not None
+            and at_safe_point
+            and self.checkpointed_at != self.iteration
+            and not self.args.eval_only
+        ):
+            self.save_checkpoint()
         if self.rank != 0:
             return False
         elapsed = time.perf_counter() - self.start_time
@@ -796,7 +968,7 @@ class Run:
             if self.args.save_model:
                 summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
                 torch.save(self.agent.state_dict(), summary["model_path"])
-            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED):
+            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED, Status.EVALUATED):
                 summary["eval_returns"] = self.evaluate()
                 summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
@@ -810,6 +982,11 @@ class Run:
         return False  # exceptions go on to main
 
     def result_line(self, s: dict) -> str:
+        if s["status"] == Status.EVALUATED.value:
+            mean = s["eval_mean_return"]
+            line = f"evaluated {self.args.load_model}: " + ("no episodes" if mean is None else
+                    f"mean return {mean:.1f} over {len(s['eval_returns'])} episodes")  # fmt: skip
+            return line + f"; outputs in {self.dir}"
         mean = s["mean_return_last_100"]
         line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
         line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
@@ -819,7 +996,10 @@ class Run:
             line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
         if s["eval_mean_return"] is not None:
             line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
-        return line + f"; outputs in {self.dir}"
+        line += f"; outputs in {self.dir}"
+        if s["status"] == Status.INTERRUPTED.value and os.path.exists(os.path.join(self.dir, "checkpoint.pt")):
+            line += f"; go on with --resume {self.dir}"
+        return line
 
     # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
     def finished_episodes(self, rollout: Rollout):
@@ -827,21 +1007,41 @@ class Run:
         return rollout.dones, rollout.episode_return, rollout.episode_length
 
     def evaluate(self) -> list[float]:
-        """Return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy."""
+        """Return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy;
+        with --capture-video, a grid video of (up to 16 of) them, one frame per step, each env held still once
+        its episode is over (uploaded with --track)."""
         n = self.args.eval_episodes
         envs = type(self.envs)(n, self.device, self.args.seed + 1)
         obs, _ = envs.reset()
-        returns = torch.full((n,), float("nan"), device=self.device)
+        returns, frames = torch.full((n,), float("nan"), device=self.device), []
         with torch.no_grad():
             for _ in range(envs.max_episode_steps):
+                playing = returns[:16].isnan().unsqueeze(1)
+                frames.append(torch.where(playing, obs[:16], frames[-1]) if frames else obs[:16])
                 obs, _, terminated, truncated, info = envs.step(self.agent.get_action(obs, greedy=True))
                 returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
                 if not returns.isnan().any():
                     break
+        if self.args.capture_video:
+            path = os.path.join(self.dir, "videos", "evaluation.mp4")
+            write_video(grid_video(torch.stack(frames)), path, fps=round(1 / envs.tau))  # real time: 50 fps
+            if self.wandb is not None:
+                self.wandb.log({"videos/evaluation": self.wandb.Video(path, format="mp4")})
         return returns.tolist()
 
+    def envs_state(self) -> Optional[dict]:
+        """For a checkpoint: the whole state of our tensor envs (None for an env without `state_dict`)."""
+        return self.envs.state_dict() if hasattr(self.envs, "state_dict") else None
+
+    def restore_envs(self, saved: Optional[dict], obs: torch.Tensor) -> torch.Tensor:
+        """--resume: the envs as the checkpoint left them; returns their observation."""
+        if saved is None:
+            return obs
+        self.envs.load_state_dict(saved)
+        return self.envs.state
+
     def record_video(self, rollout: Rollout, iteration: int) -> str:
-        """A 4x4 grid video of the first 16 envs of `rollout`; returns its path."""
+        """A grid video of (up to 16 of) the envs of `rollout`; returns its path."""
         path = os.path.join(self.dir, "videos", f"rollout_iter{iteration:05d}.mp4")
         write_video(grid_video(rollout.obs), path, fps=50)
         return path
@@ -906,7 +1106,60 @@ def validate_run_flags(args) -> torch.device:
                 __import__(module)
             except ImportError:
                 raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
+    if args.checkpoint_interval < 0:
+        raise UsageError(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
+    if args.eval_only != bool(args.load_model):
+        raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
+    if args.resume and args.eval_only:
+        raise UsageError("--resume trains on; to evaluate a checkpoint use --eval-only --load-model")
+    if args.load_model:
+        read_checkpoint(args.load_model, flag="--load-model")  # there, readable, and not another script's
+    if args.resume:
+        saved = read_checkpoint(args.resume)["args"]
+        for name, value in saved.items():
+            if name not in RESUMABLE_CHANGES and getattr(args, name, value) != value:
+                raise UsageError(f"--resume: --{name.replace('_', '-')} {getattr(args, name)} differs from the "
+                                 f"checkpoint's {value}; only --total-timesteps, --target-return and the "
+                                 "run-management flags may change")  # fmt: skip
     return device
+
+
+def checkpoint_file(path: str) -> str:
+    """A run folder's checkpoint.pt, or `path` itself."""
+    return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+
+
+def read_checkpoint(path: str, flag: str = "--resume") -> dict:
+    """The checkpoint at `path` (with --load-model also a saved model), loaded to the CPU as plain data
+    (weights_only: loading cannot run code); UsageError if it is missing, unreadable or another script's."""
+    file, script = checkpoint_file(path), os.path.basename(__file__)
+    if not os.path.isfile(file):
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, or holding objects other than plain data
+        raise UsageError(f"{flag} {file} is not a readable checkpoint ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(saved, dict) or saved.get("script", script) != script:
+        raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
+    if flag == "--resume" and "iteration" not in saved:
+        raise UsageError(f"--resume {file} holds weights only; evaluate them with --eval-only --load-model")
+    return saved
+
+
+def rng_state(device: torch.device) -> dict:
+    """torch's global random state (and CUDA's on `device`) and numpy's, for a checkpoint."""
+    key, pos, has_gauss, gauss = np.random.get_state()[1:]
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": (torch.from_numpy(key.astype(np.int64)), pos,
+            has_gauss, gauss)}  # fmt: skip
+
+
+def set_rng_state(saved: dict, device: torch.device) -> None:
+    torch.set_rng_state(saved["torch"])
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], device)
+    key, pos, has_gauss, gauss = saved["numpy"]
+    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -974,7 +1227,11 @@ def parse_args() -> Args:
         raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
 
     with tyro._errors.on_parse_error(one_line):
-        return tyro.cli(Args)
+        args = tyro.cli(Args)
+        if args.resume:  # once more, the flags left out taking the checkpoint's values
+            saved = read_checkpoint(args.resume)["args"]
+            args = tyro.cli(Args, default=Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}))
+    return args
 
 
 def main() -> None:
@@ -993,9 +1250,15 @@ def main() -> None:
         sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
-    except KeyboardInterrupt:
-        print("interrupted: logs and summary.json written (and the model, with --save-model)", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (StopRequested), or a second Ctrl-C
+        signum = getattr(e, "signum", signal.SIGINT)
+        if isinstance(e, StopRequested) and dist.is_initialized():
+            dist.barrier()  # all ranks stopped together: wait for rank 0's writing
+        if int(os.environ.get("RANK", "0")) == 0:
+            written = "a checkpoint, logs" if isinstance(e, StopRequested) else "logs"  # not mid-iteration
+            print(f"interrupted by {signal.Signals(signum).name}: {written} and summary.json written (and the model, "
+                  "with --save-model)", file=sys.stderr)  # fmt: skip
+        sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

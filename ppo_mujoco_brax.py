@@ -41,7 +41,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -131,6 +133,16 @@ class Args:
     """iterations between two videos, the first at iteration 1 (0: only the video after training)"""
     save_model: bool = False
     """save the agent's weights and observation statistics to the run folder at the end (also on Ctrl-C)"""
+    checkpoint_interval: int = 100
+    """iterations between checkpoints, <run folder>/checkpoint.pt with all it takes to go on exactly (see
+    `resume`); 0: only the one written when the run ends, Ctrl-C and SIGTERM included"""
+    resume: Optional[str] = None
+    """a run folder (or checkpoint file) to go on from, in that folder; flags left out keep the checkpoint's
+    values, and only --total-timesteps, --target-return and the run-management flags may change"""
+    eval_only: bool = False
+    """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
+    load_model: Optional[str] = None
+    """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
     eval_episodes: int = 16
     """episodes of the deterministic (mean-action) policy evaluated after training (0 skips)"""
     progress_bar: bool = True
@@ -146,6 +158,14 @@ class UsageError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite."""
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stopped at the end of an iteration, a safe point to checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,6 +254,13 @@ class BraxVecEnv:
 
     def to_jax(self, t: torch.Tensor):
         return self.jax.dlpack.from_dlpack(t.detach().to(self.jax_device).contiguous())
+
+    def state_dict(self) -> dict:
+        """The random key the resets draw from (the physics states are not saved: a resumed run resets)."""
+        return {"key": torch.from_numpy(np.asarray(self._key).astype(np.int64))}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self._key = self.jax.device_put(saved["key"].numpy().astype(np.uint32), next(iter(self._key.devices())))
 
     def reset(self):
         self.state, self._length, self._return, self._key = self._reset(self._key)
@@ -364,15 +391,17 @@ class Batch(NamedTuple):
     values: torch.Tensor  # V_old(s)
 
 
-class RewardScaler:
+class RewardScaler(nn.Module):
     """Divides rewards by a running std of the discounted return, each env's return so far discounted by
-    γ and restarted at the end of each episode (as gymnasium's NormalizeReward)."""
+    γ and restarted at the end of each episode (as gymnasium's NormalizeReward). Its state_dict holds the
+    statistics; the returns so far are not in it (a resumed run starts new episodes)."""
 
     def __init__(self, num_envs: int, gamma: float, device: torch.device):
+        super().__init__()
         self.gamma, self.return_rms = gamma, RunningMeanStd().to(device)
         self.discounted_return = torch.zeros(num_envs, device=device)
 
-    def __call__(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         self.discounted_return = self.discounted_return * self.gamma + reward
         self.return_rms.update(self.discounted_return)
         self.discounted_return = self.discounted_return.masked_fill(done, 0.0)
@@ -481,7 +510,8 @@ def train(args: Args) -> Agent:
     device = torch.device(args.device)
     T, N = args.num_steps, args.num_envs
     with Run(args) as run:
-        num_iterations = args.total_timesteps // (T * N * run.world_size)  # --total-timesteps counts all ranks'
+        # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
+        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
         envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + run.rank)
         agent = Agent(envs.obs_dim, envs.action_dim, norm_obs=args.norm_obs).to(device)  # rank 0's, see run.start
@@ -489,8 +519,10 @@ def train(args: Args) -> Agent:
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
         rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
         raw_obs, _ = envs.reset()
-        run.start(agent, envs, optimizer, total_steps=num_iterations * T * N * run.world_size)
-        for iteration in range(1, num_iterations + 1):
+        # with --resume: agent and normaliser, optimizer, reward scaler, RNGs and counters as the checkpoint left them
+        raw_obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, raw_obs,
+                            reward_scaler=scale_reward)  # fmt: skip
+        for iteration in range(run.iteration + 1, num_iterations + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
             raw_obs = collect_rollout(agent, envs, raw_obs, rollout, scale_reward)
@@ -516,26 +548,44 @@ class Status(str, Enum):
     INTERRUPTED = "interrupted"
     NON_FINITE_LOSS = "non-finite loss"
     ERROR = "error"
+    EVALUATED = "evaluated"  # --eval-only
+
+
+# flags that may differ from the checkpoint's on --resume: they change neither the algorithm nor its random draws
+RESUMABLE_CHANGES = {"total_timesteps", "target_return", "device", "torch_threads", "compile", "track",
+                     "wandb_project_name", "wandb_entity", "capture_video", "video_interval", "save_model",
+                     "eval_episodes", "progress_bar", "checkpoint_interval", "resume"}  # fmt: skip
 
 
 class Run:
     """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
-    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, the model, the
-    final evaluation, summary.json and Ctrl-C. `train` opens it with `with Run(args) as run:`, calls
-    `run.start(...)` when training begins and `if run.log(...): break` once per iteration. Leaving the block,
-    normally or by an exception, writes everything; the exception then goes on to `main`."""
+    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, checkpoints and
+    --resume, SIGINT/SIGTERM, the model, the final evaluation and summary.json. `train` opens it with
+    `with Run(args) as run:`, calls `run.start(...)` when training begins (which restores a checkpoint with
+    --resume) and `if run.log(...): break` once per iteration. Leaving the block, normally or by an exception,
+    writes everything; the exception then goes on to `main`."""
 
     def __init__(self, args):
         self.args = args
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = os.path.join("runs", self.name)
+        self.saved = None  # the checkpoint to go on from, with --resume: in its run folder
+        if args.resume:
+            self.saved = read_checkpoint(args.resume)
+            self.dir = os.path.dirname(checkpoint_file(args.resume)) or "."
+            self.name = os.path.basename(os.path.abspath(self.dir))
         self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.writer = self.threshold = None
+        self.stateful: dict = {}  # what a checkpoint keeps: name -> object with state_dict()
         # under torchrun, rank 0 alone writes; the logged numbers cover every rank
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.iteration = self.global_step = self.episodes = self.uncounted_steps = 0
+        self.iteration = self.global_step = self.episodes = self.uncounted_steps = self.resumed_at = 0
+        self.resumed_seconds = 0.0  # training seconds before this process, with --resume
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
         self.target_reached = False
+        self.stop_signal = 0  # SIGINT or SIGTERM once one arrived: stop at the end of the iteration
+        self.checkpointed_at = None  # the iteration of the last checkpoint written or restored
+        self.signal_handlers: dict = {}
 
     def __enter__(self) -> Run:
         from torch.utils.tensorboard import SummaryWriter
@@ -543,33 +593,66 @@ class Run:
         self.created = self.start_time = time.perf_counter()
         if self.rank != 0:
             return self
+        self.made_dir = not os.path.isdir(self.dir)
         if self.args.track:
             import wandb
 
             self.wandb = wandb
             wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(self.args), name=self.name, save_code=True)  # fmt: skip
-        self.writer = SummaryWriter(self.dir)
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+                       config=asdict(self.args), name=self.name, save_code=True,
+                       id=self.saved and self.saved["wandb_id"], resume="allow")  # fmt: skip
+        # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
+        self.writer = SummaryWriter(self.dir, purge_step=self.saved and self.saved["global_step"] + 1)
+        if self.saved is None:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         return self
 
-    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
-        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS)."""
+    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
+        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS). With
+        --resume, the agent, the optimizer, `stateful` (more objects with a state_dict, e.g. a reward scaler), the
+        counters, the RNGs and the envs are restored from the checkpoint (`iteration` then counts the iterations
+        done); with --load-model, the agent's weights. Returns `obs`, or the restored envs' observation."""
         self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
         self.device = next(agent.parameters()).device
         self.threshold = getattr(envs, "reward_threshold", None)
+        if self.saved is not None:
+            obs = self.restore(self.saved, obs)
+            self.saved = None  # the tensors are in place now: free them
+        elif self.args.load_model:
+            saved = read_checkpoint(self.args.load_model, flag="--load-model")
+            try:
+                agent.load_state_dict(saved.get("agent", saved))  # a checkpoint's agent, or a saved model
+            except RuntimeError as e:
+                raise UsageError(f"--load-model {self.args.load_model} does not fit this agent: "
+                                 f"{str(e).splitlines()[-1].strip()}") from None  # fmt: skip
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
-        if self.args.progress_bar and self.rank == 0:
+        if self.args.progress_bar and self.rank == 0 and not self.args.eval_only:
             from tqdm import tqdm
 
-            self.progress = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True)
-        if total_steps < self.args.total_timesteps:
+            self.progress = tqdm(total=total_steps, initial=self.global_step, unit="step", unit_scale=True,
+                                 dynamic_ncols=True)  # fmt: skip
+        if total_steps < self.args.total_timesteps and not self.args.eval_only:
             self.note(
                 f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
             )
-        self.total_steps, self.start_time = total_steps, time.perf_counter()
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self.signal_handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.total_steps, self.start_time = total_steps, time.perf_counter() - self.resumed_seconds
+        self.created -= self.resumed_seconds
+        return obs
+
+    def request_stop(self, signum: int, frame) -> None:
+        """SIGINT/SIGTERM handler: stop at the end of this iteration (checkpoint, logs, summary); a second Ctrl-C
+        stops at once (the checkpoint is then the last periodic one)."""
+        if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.stop_signal:
+            self.stop_signal = signum
+            self.note(f"{signal.Signals(signum).name}: stopping after this iteration, with a checkpoint "
+                      "(Ctrl-C again: at once)")  # fmt: skip
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
@@ -577,24 +660,28 @@ class Run:
             (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
-        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite
-        loss; film when due. Returns True once the target return is reached. Under torchrun every rank
-        gets every rank's numbers (one all-gather), so all take the same decisions."""
+        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite loss;
+        film and checkpoint when due; raise StopRequested after SIGINT/SIGTERM. Returns True once the target
+        return is reached. Under torchrun every rank gets every rank's numbers (one all-gather), so all take
+        the same decisions, stopping on a signal too."""
         self.iteration += 1
         ended, returns, lengths = self.finished_episodes(rollout)
-        scalars = torch.stack([torch.tensor(float(env_steps), device=self.device), *stats.values()]).float()
+        scalars = [torch.tensor(float(env_steps), device=self.device), torch.tensor(float(self.stop_signal),
+                   device=self.device), *stats.values()]  # fmt: skip
         episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        gathered = [torch.cat((scalars, episodes.flatten()))]
-        if self.world_size > 1:  # every rank's numbers to every rank, episodes padded to the longest list
+        if self.world_size > 1:  # padded to the longest episode list of any rank, for one all-gather
             longest = torch.tensor(episodes.shape[1], device=self.device)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            local = torch.cat((scalars, nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1])).flatten()))
+            episodes = nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1]))
+        local = torch.cat((torch.stack(scalars).float(), episodes.flatten()))
+        gathered = [local]
+        if self.world_size > 1:
             gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
         host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
-        env_steps = int(host[:, 0].sum())  # every rank's steps
+        env_steps, stop_signal = int(host[:, 0].sum()), int(host[:, 1].max())  # every rank's steps and signals
         self.global_step += env_steps
-        values = dict(zip(stats, host[:, 1 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
+        values = dict(zip(stats, host[:, 2 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = (
             host[:, len(scalars) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
         )
@@ -606,16 +693,23 @@ class Run:
         self.recent_returns.extend(returns.tolist())
         self.episodes += len(returns)
         elapsed = time.perf_counter() - self.start_time
-        sps = int((self.global_step - self.uncounted_steps) / elapsed)
         full = len(self.recent_returns) == self.recent_returns.maxlen
         mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
         if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
             self.solved_step, self.solved_seconds = self.global_step, elapsed
-
         target = self.args.target_return
         self.target_reached = target is not None and full and mean_recent >= target
-        if self.rank != 0:  # the other ranks keep only the bookkeeping that decides when to stop
-            return self.target_reached
+        if self.rank == 0:  # the other ranks keep only the bookkeeping that decides when to stop
+            self.write_iteration(env_steps, values, returns, lengths, mean_recent, elapsed, rollout)
+        if self.args.checkpoint_interval and self.iteration % self.args.checkpoint_interval == 0:
+            self.save_checkpoint()
+        if stop_signal:
+            raise StopRequested(stop_signal)
+        return self.target_reached
+
+    def write_iteration(self, env_steps: int, values: dict, returns, lengths, mean_recent, elapsed, rollout) -> None:
+        """Rank 0's part of `log`: TensorBoard, the ETA note, the progress bar, videos, the compile burn-in."""
+        sps = int((self.global_step - self.uncounted_steps) / elapsed)
         if len(returns):
             self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
             self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
@@ -624,7 +718,7 @@ class Run:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, self.global_step)
         remaining = (self.total_steps - self.global_step) / max(sps, 1)
-        if self.iteration == 3 and remaining > 600:  # long defaults (Atari's 10M steps) should not surprise anyone
+        if self.iteration == self.resumed_at + 3 and remaining > 600:  # long defaults (Atari's 10M) should not surprise
             self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
                       f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
         if self.progress is not None:
@@ -635,15 +729,73 @@ class Run:
             path = self.record_video(rollout, self.iteration)
             if path is not None and self.wandb is not None:
                 self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
-        if self.iteration == 1 and getattr(self.args, "compile", False):
-            # iteration 1 compiled the graphs: SPS and the time to solve count from here (LeanRL's burn-in)
-            self.note(f"--compile: iteration 1 took {elapsed:.1f} s (compilation), not counted in SPS")
-            self.start_time, self.uncounted_steps = time.perf_counter(), self.global_step
-        return self.target_reached
+        if self.iteration == self.resumed_at + 1 and getattr(self.args, "compile", False):
+            # this process's first iteration compiled the graphs: SPS and the time to solve count from here
+            # (LeanRL's burn-in)
+            self.note(f"--compile: iteration {self.iteration} took {elapsed - self.resumed_seconds:.1f} s "
+                      "(compilation), not counted in SPS")  # fmt: skip
+            self.start_time = time.perf_counter() - self.resumed_seconds
+            self.uncounted_steps += env_steps
+
+    def save_checkpoint(self) -> None:
+        """Write <run folder>/checkpoint.pt: the agent, the optimizer (with the learning rate), `stateful`,
+        the counters and the recent returns, and per rank the RNGs and the envs' state. Written to a temporary
+        file renamed over the old one, so a kill during the write leaves the previous checkpoint whole."""
+        mine = {"rng": rng_state(self.device), "envs": self.envs_state()}
+        ranks = [mine]
+        if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
+            ranks = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, ranks, dst=0)
+        self.checkpointed_at = self.iteration
+        if self.rank != 0:
+            return
+        checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {
+            "script": os.path.basename(__file__),
+            "args": asdict(self.args),
+            "iteration": self.iteration,
+            "global_step": self.global_step,
+            "episodes": self.episodes,
+            "recent_returns": list(self.recent_returns),
+            "solved_step": self.solved_step,
+            "solved_seconds": self.solved_seconds,
+            "seconds": time.perf_counter() - self.start_time,  # training seconds so far (SPS, solve time)
+            "setup_seconds": self.start_time - self.created,
+            "uncounted_steps": self.uncounted_steps,
+            "wandb_id": self.wandb.run.id if self.wandb is not None else None,
+            "ranks": ranks,
+        }
+        path = os.path.join(self.dir, "checkpoint.pt")
+        with open(path + ".tmp", "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
+        os.replace(path + ".tmp", path)  # atomic
+
+    def restore(self, saved: dict, obs):
+        """--resume: everything `save_checkpoint` wrote back in place; returns the observation to go on from."""
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(saved[name])
+        self.iteration = self.resumed_at = self.checkpointed_at = saved["iteration"]
+        self.global_step, self.episodes = saved["global_step"], saved["episodes"]
+        self.recent_returns.extend(saved["recent_returns"])
+        self.solved_step, self.solved_seconds = saved["solved_step"], saved["solved_seconds"]
+        self.resumed_seconds, self.uncounted_steps = saved["seconds"], saved["uncounted_steps"]
+        self.created -= saved["setup_seconds"]
+        if len(saved["ranks"]) == self.world_size:
+            set_rng_state(saved["ranks"][self.rank]["rng"], self.device)
+            obs = self.restore_envs(saved["ranks"][self.rank]["envs"], obs)
+        else:
+            self.note(f"the checkpoint has {len(saved['ranks'])} ranks' envs and random states, this run "
+                      f"{self.world_size}: the envs restart and the random draws differ")  # fmt: skip
+        self.note(f"resumed {self.dir} at iteration {self.iteration} (step {self.global_step:,})")
+        return obs
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        for sig, handler in self.signal_handlers.items():
+            signal.signal(sig, handler)
         if exc_type is None:
             status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
+            status = Status.EVALUATED if self.args.eval_only else status
         elif issubclass(exc_type, KeyboardInterrupt):
             status = Status.INTERRUPTED
         elif issubclass(exc_type, NonFiniteLossError):
@@ -653,6 +805,21 @@ class Run:
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
+        if exc_type is not None and issubclass(exc_type, UsageError):  # a bad flag found late: leave no trace
+            if self.writer is not None:
+                self.writer.close()
+                if self.made_dir:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+            return False
+        # at the end of an iteration the state is whole: worth a checkpoint (not after a second Ctrl-C)
+        at_safe_point = status in (Status.COMPLETED, Status.TARGET_REACHED) or exc_type is StopRequested
+        if (
+            self.agent is not None
+            and at_safe_point
+            and self.checkpointed_at != self.iteration
+            and not self.args.eval_only
+        ):
+            self.save_checkpoint()
         if self.rank != 0:
             return False
         elapsed = time.perf_counter() - self.start_time
@@ -681,7 +848,7 @@ class Run:
             if self.args.save_model:
                 summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
                 torch.save(self.agent.state_dict(), summary["model_path"])
-            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED):
+            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED, Status.EVALUATED):
                 summary["eval_returns"] = self.evaluate()
                 summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
@@ -695,6 +862,11 @@ class Run:
         return False  # exceptions go on to main
 
     def result_line(self, s: dict) -> str:
+        if s["status"] == Status.EVALUATED.value:
+            mean = s["eval_mean_return"]
+            line = f"evaluated {self.args.load_model}: " + ("no episodes" if mean is None else
+                    f"mean return {mean:.1f} over {len(s['eval_returns'])} episodes")  # fmt: skip
+            return line + f"; outputs in {self.dir}"
         mean = s["mean_return_last_100"]
         line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
         line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
@@ -704,7 +876,10 @@ class Run:
             line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
         if s["eval_mean_return"] is not None:
             line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
-        return line + f"; outputs in {self.dir}"
+        line += f"; outputs in {self.dir}"
+        if s["status"] == Status.INTERRUPTED.value and os.path.exists(os.path.join(self.dir, "checkpoint.pt")):
+            line += f"; go on with --resume {self.dir}"
+        return line
 
     # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
     def finished_episodes(self, rollout: Rollout):
@@ -712,9 +887,12 @@ class Run:
         return rollout.dones, rollout.episode_return, rollout.episode_length
 
     def evaluate(self) -> list[float]:
-        """Return of the first episode of `eval-episodes` of the training envs (reset: training is over) under
-        the mean action; then, with --capture-video, the video of one more episode (uploaded with --track)."""
-        n, envs, agent = self.args.eval_episodes, self.envs, self.agent
+        """Return of the first episode of `eval-episodes` fresh envs under the mean action (a copy of the
+        training envs, seeded apart: same compiled code, and --eval-only on the saved model plays the same
+        episodes); then, with --capture-video, the video of one more episode (uploaded with --track)."""
+        n, agent, args = self.args.eval_episodes, self.agent, self.args
+        envs = BraxVecEnv(args.env_id, args.backend, self.envs.num_envs, args.episode_length, self.device,
+                          args.seed + 1)  # fmt: skip
         obs, _ = envs.reset()
         returns = torch.full((envs.num_envs,), float("nan"), device=self.device)
         with torch.no_grad():
@@ -723,10 +901,19 @@ class Run:
                 returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
                 if not returns[:n].isnan().any():
                     break
-        path = self.film("episode_final") if self.args.capture_video else None
+        path = self.film("evaluation") if self.args.capture_video else None
         if path is not None and self.wandb is not None:
-            self.wandb.log({"videos/final": self.wandb.Video(path, format="mp4")})
+            self.wandb.log({"videos/evaluation": self.wandb.Video(path, format="mp4")})
         return returns[:n].tolist()
+
+    def envs_state(self) -> dict:
+        return self.envs.state_dict()
+
+    def restore_envs(self, saved: dict, obs: torch.Tensor) -> torch.Tensor:
+        """--resume: the envs' random key as saved; the physics states are not in a checkpoint: new episodes."""
+        self.note("Brax's physics states are not in a checkpoint: the envs start new episodes")
+        self.envs.load_state_dict(saved)
+        return self.envs.reset()[0]
 
     def record_video(self, rollout: Rollout, iteration: int) -> str | None:
         """One episode under the mean action, played on a separate 1-env copy of the env so that the training
@@ -782,7 +969,7 @@ def validate(args: Args) -> torch.device:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.eval_episodes < 0 or args.torch_threads < 0 or args.video_interval < 0:
         raise UsageError("--eval-episodes, --torch-threads and --video-interval must be >= 0")
-    if args.eval_episodes > args.num_envs:  # the evaluation plays on the training envs
+    if args.eval_episodes > args.num_envs:  # the evaluation plays on a copy of the training envs
         raise UsageError(f"--eval-episodes {args.eval_episodes} is more than --num-envs {args.num_envs}")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
@@ -830,7 +1017,60 @@ def validate_run_flags(args) -> torch.device:
                 __import__(module)
             except ImportError:
                 raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
+    if args.checkpoint_interval < 0:
+        raise UsageError(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
+    if args.eval_only != bool(args.load_model):
+        raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
+    if args.resume and args.eval_only:
+        raise UsageError("--resume trains on; to evaluate a checkpoint use --eval-only --load-model")
+    if args.load_model:
+        read_checkpoint(args.load_model, flag="--load-model")  # there, readable, and not another script's
+    if args.resume:
+        saved = read_checkpoint(args.resume)["args"]
+        for name, value in saved.items():
+            if name not in RESUMABLE_CHANGES and getattr(args, name, value) != value:
+                raise UsageError(f"--resume: --{name.replace('_', '-')} {getattr(args, name)} differs from the "
+                                 f"checkpoint's {value}; only --total-timesteps, --target-return and the "
+                                 "run-management flags may change")  # fmt: skip
     return device
+
+
+def checkpoint_file(path: str) -> str:
+    """A run folder's checkpoint.pt, or `path` itself."""
+    return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+
+
+def read_checkpoint(path: str, flag: str = "--resume") -> dict:
+    """The checkpoint at `path` (with --load-model also a saved model), loaded to the CPU as plain data
+    (weights_only: loading cannot run code); UsageError if it is missing, unreadable or another script's."""
+    file, script = checkpoint_file(path), os.path.basename(__file__)
+    if not os.path.isfile(file):
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, or holding objects other than plain data
+        raise UsageError(f"{flag} {file} is not a readable checkpoint ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(saved, dict) or saved.get("script", script) != script:
+        raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
+    if flag == "--resume" and "iteration" not in saved:
+        raise UsageError(f"--resume {file} holds weights only; evaluate them with --eval-only --load-model")
+    return saved
+
+
+def rng_state(device: torch.device) -> dict:
+    """torch's global random state (and CUDA's on `device`) and numpy's, for a checkpoint."""
+    key, pos, has_gauss, gauss = np.random.get_state()[1:]
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": (torch.from_numpy(key.astype(np.int64)), pos,
+            has_gauss, gauss)}  # fmt: skip
+
+
+def set_rng_state(saved: dict, device: torch.device) -> None:
+    torch.set_rng_state(saved["torch"])
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], device)
+    key, pos, has_gauss, gauss = saved["numpy"]
+    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -898,7 +1138,11 @@ def parse_args() -> Args:
         raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
 
     with tyro._errors.on_parse_error(one_line):
-        return tyro.cli(Args)
+        args = tyro.cli(Args)
+        if args.resume:  # once more, the flags left out taking the checkpoint's values
+            saved = read_checkpoint(args.resume)["args"]
+            args = tyro.cli(Args, default=Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}))
+    return args
 
 
 def main() -> None:
@@ -917,9 +1161,15 @@ def main() -> None:
         sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
-    except KeyboardInterrupt:
-        print("interrupted: logs and summary.json written (and the model, with --save-model)", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (StopRequested), or a second Ctrl-C
+        signum = getattr(e, "signum", signal.SIGINT)
+        if isinstance(e, StopRequested) and dist.is_initialized():
+            dist.barrier()  # all ranks stopped together: wait for rank 0's writing
+        if int(os.environ.get("RANK", "0")) == 0:
+            written = "a checkpoint, logs" if isinstance(e, StopRequested) else "logs"  # not mid-iteration
+            print(f"interrupted by {signal.Signals(signum).name}: {written} and summary.json written (and the model, "
+                  "with --save-model)", file=sys.stderr)  # fmt: skip
+        sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -143,5 +143,7 @@ def test_draw_frames(P):
     assert frames[1, 72, 75].tolist() == [255, 255, 255]
     pole = (frames[1] == torch.tensor([202, 152, 101], dtype=torch.uint8)).all(-1).nonzero().float()
     assert pole[:, 1].mean() > 75 + 150 / 4.8
-    grid = P.grid_video(torch.zeros(5, 3, 4))
-    assert grid.shape == (5, 400, 600, 3) and grid.dtype == np.uint8
+    # the grid is as square as the envs fill without a wasted row: 3 envs 1x3, 10 envs 3x4, 16 or more 4x4
+    for envs, (rows, cols) in ((3, (1, 3)), (10, (3, 4)), (16, (4, 4)), (64, (4, 4))):
+        grid = P.grid_video(torch.zeros(5, envs, 4))
+        assert grid.shape == (5, rows * 100, cols * 150, 3) and grid.dtype == np.uint8

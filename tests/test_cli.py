@@ -62,8 +62,10 @@ def test_smoke_run_writes_events_summary_video_model_and_wandb(script, tmp_path)
     assert summary["eval_mean_return"] == pytest.approx(sum(summary["eval_returns"]) / 3)
     result_line = result.stdout.strip().splitlines()[-1]
     assert result_line.startswith("completed: ") and f"outputs in {os.path.relpath(run_dir, tmp_path)}" in result_line
-    # iterations 1, 3, 5, ...: a 4x4 grid video each
-    videos = sorted(glob.glob(os.path.join(run_dir, "videos", "*.mp4")))
+    # iterations 1, 3, 5, ...: a 4x4 grid video each, and one of the evaluation
+    videos = sorted(glob.glob(os.path.join(run_dir, "videos", "rollout_*.mp4")))
+    assert os.path.exists(os.path.join(run_dir, "videos", "evaluation.mp4"))
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
     assert videos and os.path.basename(videos[0]) == "rollout_iter00001.mp4"
     assert all(os.path.basename(v) == f"rollout_iter{2 * i + 1:05d}.mp4" for i, v in enumerate(videos))
     assert os.path.getsize(videos[0]) > 1000

@@ -41,8 +41,6 @@ def test_run_management_is_the_same_code_in_every_script(name):
 def test_cartpole_scripts_carry_the_same_env_and_networks(name):
     template, mod = import_script("ppo_cartpole_gpu"), import_script(name)
     for obj in CARTPOLE_SHARED:
-        if name == "reinforce" and obj == "Run":  # its first-episode bookkeeping differs, below the marker
-            continue
         assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
 
 
