@@ -1036,10 +1036,14 @@ class Run:
 
 
 def write_video(frames: np.ndarray, path: str, fps: int) -> None:
-    from moviepy import ImageSequenceClip
+    """An H.264 MP4 of RGB frames (T, H, W, 3) uint8, every one of them (moviepy's ImageSequenceClip drops the last)."""
+    from moviepy.video.io.ffmpeg_writer import FFMPEG_VideoWriter
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    ImageSequenceClip(list(frames), fps=fps).write_videofile(path, codec="libx264", audio=False, logger=None)
+    writer = FFMPEG_VideoWriter(path, (frames[0].shape[1], frames[0].shape[0]), fps)
+    for frame in frames:
+        writer.write_frame(frame)
+    writer.close()
 
 
 def validate(args: Args) -> torch.device:

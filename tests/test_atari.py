@@ -7,6 +7,7 @@ import json
 import os
 import types
 
+import imageio_ffmpeg
 import numpy as np
 import pytest
 import torch
@@ -342,7 +343,11 @@ def test_smoke_run_on_a_real_game(env_id, flags, tmp_path):
     assert summary["iterations"] == 4 and len(summary["eval_returns"]) == 1
     assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     if "--capture-video" in flags:
-        assert sorted(os.listdir(os.path.join(run_dir, "videos"))) == ["rollout_iter00001.mp4", "rollout_iter00003.mp4"]
+        videos = sorted(os.listdir(os.path.join(run_dir, "videos")))
+        assert videos == ["evaluation.mp4", "rollout_iter00001.mp4", "rollout_iter00003.mp4"]
+        # the evaluation film shows the whole game, one frame per agent step
+        frames = imageio_ffmpeg.count_frames_and_secs(os.path.join(run_dir, "videos", "evaluation.mp4"))[0]
+        assert frames > 700  # a game of Pong lost 0:21 lasts more than 700 agent steps
         A.Agent(6).load_state_dict(torch.load(os.path.join(tmp_path, summary["model_path"])))
 
 

@@ -1,0 +1,232 @@
+"""Never lose a run: checkpoints, --resume, SIGTERM/SIGINT, and --eval-only on a saved model."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import imageio_ffmpeg
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import ROOT, SCRIPTS, assert_one_error_line, import_script, run_script
+
+
+def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar the run folder's event files hold, SPS aside (a clock, not a result), by tag."""
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if tag != "charts/SPS"}  # fmt: skip
+
+
+def run_dir(tmp, exp_name: str) -> str:
+    (path,) = glob.glob(os.path.join(str(tmp), "runs", f"*__{exp_name}__*"))
+    return path
+
+
+def small_args(module, **flags):
+    steps = 500 if module.__name__ == "reinforce" else 16  # REINFORCE's rollouts run until every episode ends
+    total = 16 * 32 * 6 if module.__name__ != "reinforce" else 12_000
+    return module.Args(num_envs=32, num_steps=steps, total_timesteps=total, target_return=None, progress_bar=False,
+                       eval_episodes=3, device="cpu", **flags)  # fmt: skip
+
+
+def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:
+    """Send this process SIGTERM while iteration `iteration` is being logged (Run then stops after it)."""
+    real_log = module.Run.log
+
+    def log(self, *args, **kwargs):
+        if self.iteration == iteration - 1 and not self.args.resume:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_log(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.Run, "log", log)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
+    """Stopped by SIGTERM after 3 iterations and resumed, a run logs the same scalars at the same steps and ends
+    with the same weights, evaluation and bookkeeping as one run straight through (the LR annealed over both)."""
+    module = import_script(script)
+    args = small_args(module)
+    whole = module.train(replace(args, exp_name="whole"))
+    stop_with_sigterm_at(module, monkeypatch, 3)
+    with pytest.raises(module.StopRequested):
+        module.train(replace(args, exp_name="cut"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Run put the handlers back
+    cut = run_dir(in_tmp, "cut")
+    stopped = json.load(open(os.path.join(cut, "summary.json")))
+    assert stopped["status"] == "interrupted" and stopped["iterations"] == 3
+    resumed = module.train(replace(args, exp_name="cut", resume=cut))
+
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    assert scalars(cut) == scalars(run_dir(in_tmp, "whole"))
+    a, b = (json.load(open(os.path.join(run_dir(in_tmp, n), "summary.json"))) for n in ("whole", "cut"))
+    for key in ("status", "total_env_steps", "iterations", "episodes", "mean_return_last_100", "solved_at_step",
+                "eval_returns"):  # fmt: skip
+        assert a[key] == b[key], key
+
+
+def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
+    flags = ["--total-timesteps", "100000000", "--target-return", "None", "--checkpoint-interval", "0",
+             "--no-progress-bar", "--num-envs", "32"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(str(tmp_path / "runs" / "*" / "events.*")):
+        time.sleep(0.2)
+    time.sleep(3)  # a few iterations in
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "interrupted by SIGTERM" in err
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    assert summary["status"] == "interrupted" and f"--resume {os.path.relpath(folder, tmp_path)}" in out
+    saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    assert saved["iteration"] == summary["iterations"] > 0 and saved["global_step"] == summary["total_env_steps"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
+    """The third checkpoint is killed half-written: checkpoint.pt is still the second, whole."""
+    code = f"""
+import os, signal, sys, torch
+sys.path.insert(0, {ROOT!r})
+import ppo_cartpole_gpu as P
+real_save, calls = torch.save, []
+def save(obj, f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        f.write(b"PK half a checkpoint")
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+P.train(P.Args(num_envs=32, num_steps=16, total_timesteps=32 * 16 * 10, checkpoint_interval=1, progress_bar=False,
+               eval_episodes=0, device="cpu"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    assert saved["iteration"] == 2 and saved["script"] == "ppo_cartpole_gpu.py"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
+    """--eval-only on the saved model (or the checkpoint) scores the same episodes as the training run's own
+    evaluation, and its video has one frame per evaluated step (CartPole pays 1 a step: the longest return)."""
+    train = run_script(script, "--total-timesteps", "20000", "--num-envs", "32", "--save-model", "--eval-episodes",
+                       "4", "--exp-name", "trained", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+    assert train.returncode == 0, train.stderr
+    trained = json.load(open(os.path.join(run_dir(tmp_path, "trained"), "summary.json")))
+    for model, name in ((trained["model_path"], "from_model"), (os.path.join(run_dir(tmp_path, "trained")), "")):
+        if not name:  # a run folder's checkpoint
+            model, name = os.path.join(model, "checkpoint.pt"), "from_checkpoint"
+        result = run_script(script, "--eval-only", "--load-model", model, "--eval-episodes", "4", "--capture-video",
+                            "--exp-name", name, "--num-envs", "32", cwd=tmp_path)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1].startswith(f"evaluated {model}: mean return")
+        summary = json.load(open(os.path.join(run_dir(tmp_path, name), "summary.json")))
+        assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
+        assert summary["eval_returns"] == trained["eval_returns"]
+        video = os.path.join(run_dir(tmp_path, name), "videos", "evaluation.mp4")
+        assert imageio_ffmpeg.count_frames_and_secs(video)[0] == max(summary["eval_returns"])
+        assert not os.path.exists(os.path.join(run_dir(tmp_path, name), "checkpoint.pt"))
+
+
+def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
+    trained = run_script("ppo_cartpole_gpu", "--total-timesteps", "4096", "--num-envs", "32", "--save-model",
+                         "--eval-episodes", "0", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)}
+    (tmp_path / "corrupt.pt").write_bytes(open(os.path.join(folder, "checkpoint.pt"), "rb").read()[:500])
+    model = os.path.join(folder, "ppo_cartpole_gpu.cleanrl_model")
+    for script, flags, message in (
+        ("ppo_cartpole_gpu", ["--resume", "runs/none"], "--resume runs/none: no such file"),
+        ("ppo_cartpole_gpu", ["--resume", "corrupt.pt"], "--resume corrupt.pt is not a readable checkpoint"),
+        ("vpg", ["--resume", folder], "was written by ppo_cartpole_gpu.py, not vpg.py"),
+        ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"], "--gamma 0.9 differs from the checkpoint's 0.99"),
+        ("ppo_cartpole_gpu", ["--resume", model], "holds weights only; evaluate them with --eval-only --load-model"),
+        ("ppo_cartpole_gpu", ["--eval-only"], "--eval-only and --load-model PATH go together"),
+        ("ppo_cartpole_gpu", ["--load-model", model], "--eval-only and --load-model PATH go together"),
+        ("reinforce", ["--eval-only", "--load-model", model], f"--load-model {model} does not fit this agent"),
+        ("ppo_cartpole_gpu", ["--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
+    ):  # fmt: skip
+        assert_one_error_line(run_script(script, *flags, cwd=tmp_path, timeout=120), message)
+    assert glob.glob(str(tmp_path / "runs" / "*")) == [folder]  # no new run folder
+    assert {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)} == before  # nothing rewritten
+
+
+def test_resume_takes_the_checkpoints_flags_and_may_extend_the_run(tmp_path):
+    first = run_script("vpg", "--total-timesteps", "4096", "--num-envs", "32", "--learning-rate", "0.002",
+                       "--eval-episodes", "0", "--no-progress-bar", "--exp-name", "mine", cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    folder = run_dir(tmp_path, "mine")
+    more = run_script("vpg", "--resume", folder, "--total-timesteps", "8192", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    assert summary["total_env_steps"] == 8192 and summary["iterations"] == 16
+    assert summary["args"]["learning_rate"] == 0.002 and summary["args"]["num_envs"] == 32
+    assert summary["args"]["exp_name"] == "mine" and glob.glob(str(tmp_path / "runs" / "*")) == [folder]
+    steps = [step for step, _ in scalars(folder)["losses/total_loss"]]
+    assert steps == sorted(set(steps)) and len(steps) == 16  # no step logged twice
+
+
+# ---------------------------------------------------------------------------------------------
+# Atari and Brax: their emulators are not ours to save; the agent, optimizer and statistics are
+# ---------------------------------------------------------------------------------------------
+def restored_state(module, args, monkeypatch):
+    """Train `args`, then resume it with nothing left to do; return (checkpoint, the resumed Run)."""
+    module.train(args)
+    (folder,) = glob.glob(os.path.join("runs", "*"))
+    saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    runs = []
+    real_start = module.Run.start
+    monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: runs.append(self) or real_start(self, *a, **k))
+    module.train(replace(args, resume=folder))
+    return saved, runs[0]
+
+
+def assert_same_state(saved: dict, obj) -> None:
+    state = obj.state_dict()
+    if "state" in state:  # an optimizer: per-parameter tensors, and the hyperparameters
+        for key, entry in state["state"].items():
+            for name, value in entry.items():
+                assert torch.equal(value.cpu(), saved["state"][key][name]), (key, name)
+        assert state["param_groups"] == saved["param_groups"]
+        return
+    for name, value in state.items():
+        assert torch.equal(value.cpu(), saved[name]), name
+
+
+def test_atari_resume_restores_agent_and_optimizer(in_tmp, monkeypatch):
+    A = import_script("ppo_atari_envpool")
+    args = A.Args(env_id="Pong-v5", num_envs=4, num_steps=32, total_timesteps=4 * 32 * 2, progress_bar=False,
+                  eval_episodes=0, device="cpu")  # fmt: skip
+    saved, run = restored_state(A, args, monkeypatch)
+    assert saved["iteration"] == run.iteration == 2 and saved["ranks"][0]["envs"] is None
+    assert_same_state(saved["agent"], run.agent)
+    assert_same_state(saved["optimizer"], run.optimizer)
+
+
+def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tmp, monkeypatch):
+    B = import_script("ppo_mujoco_brax")
+    args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4,
+                  total_timesteps=16 * 10 * 2, progress_bar=False, eval_episodes=0, device="cpu")  # fmt: skip
+    saved, run = restored_state(B, args, monkeypatch)
+    assert saved["iteration"] == run.iteration == 2
+    assert "obs_rms.mean" in saved["agent"] and saved["agent"]["obs_rms.count"] > 1  # the normaliser is in it
+    assert_same_state(saved["agent"], run.agent)
+    assert_same_state(saved["optimizer"], run.optimizer)
+    assert_same_state(saved["reward_scaler"], run.stateful["reward_scaler"])
+    assert saved["ranks"][0]["envs"]["key"].shape == (2,)  # the resets' random key (the physics restart)
