@@ -3,8 +3,10 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -129,3 +131,31 @@ def test_unsupported_torchrun_setups_fail_with_one_line(tmp_path, script, flags,
     result = torchrun(os.path.join(ROOT, script), *flags, cwd=tmp_path, timeout=120)
     assert result.returncode != 0  # torchrun then reports the failed ranks in its own words
     assert result.stderr.count("error: ") == 1 and f"error: {message}" in result.stderr, result.stderr[-3000:]
+
+
+def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path):
+    """torchrun passes Ctrl-C (SIGINT) to every rank: they stop after the same iteration, rank 0 writes a
+    checkpoint holding both ranks' envs and RNGs, and torchrun --resume goes on from it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = os.path.join(ROOT, "ppo_cartpole_gpu.py")
+    flags = ["--total-timesteps", "100000000", "--target-return", "None", "--no-progress-bar", "--num-envs", "32"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *flags]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(str(tmp_path / "runs" / "*" / "events.*")):
+        time.sleep(0.2)
+    time.sleep(3)  # some iterations in
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "interrupted by SIGINT: a checkpoint" in err, err[-3000:]
+    (run_dir,) = glob.glob(str(tmp_path / "runs" / "*"))
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    assert summary["status"] == "interrupted" and summary["world_size"] == 2
+    assert saved["iteration"] == summary["iterations"] > 0 and len(saved["ranks"]) == 2
+    assert not torch.equal(saved["ranks"][0]["envs"]["state"], saved["ranks"][1]["envs"]["state"])
+    more = str(summary["total_env_steps"] + 2 * 32 * 16 * 3)  # three more iterations
+    result = torchrun(script, "--resume", run_dir, "--total-timesteps", more, "--eval-episodes", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["status"] == "completed" and summary["iterations"] == saved["iteration"] + 3
