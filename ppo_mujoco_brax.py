@@ -35,8 +35,10 @@ Defaults follow Brax's own PPO settings for many parallel envs (short unrolls, l
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import io
 import json
 import math
 import os
@@ -45,6 +47,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -179,11 +182,20 @@ def import_brax():
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # MuJoCo's renderer (for the MP4 of --capture-video) needs an offscreen OpenGL: EGL, not a window.
     os.environ.setdefault("MUJOCO_GL", "egl")
+    # Not the user's business, so kept quiet: MuJoCo's optional GPU backend (warp, not installed) prints
+    # "Failed to import warp" on import, and Brax warns that it is no longer maintained (and JAXopt, which it
+    # imports, likewise). Anything else they print or warn gets through.
+    warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
+    warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)
     try:
-        import jax
-        from brax import envs
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            import jax
+            from brax import envs
     except ImportError:
         raise UsageError("this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2") from None
+    for line in printed.getvalue().splitlines():
+        if not line.startswith(("Failed to import warp:", "Failed to import mujoco_warp:")):
+            print(line)
     return jax, envs
 
 

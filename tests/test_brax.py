@@ -232,3 +232,10 @@ def test_inverted_pendulum_is_learned(in_tmp):
     summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
     assert summary["status"] == "target return reached" and summary["mean_return_last_100"] >= 900, summary
     assert summary["eval_mean_return"] >= 900
+
+
+def test_start_up_prints_nothing_that_is_not_the_users_business():
+    """No "Failed to import warp" (MuJoCo's optional GPU backend) and no unmaintained-Brax/JAXopt warnings."""
+    code = "import ppo_mujoco_brax as B; _, envs = B.import_brax(); envs.get_environment('inverted_pendulum')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout == "" and result.stderr == "", result.stdout + result.stderr
