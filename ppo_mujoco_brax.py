@@ -1172,8 +1172,10 @@ def main() -> None:
         if dist.is_initialized():
             dist.barrier()  # every rank waits for rank 0's writing: leaving the group early can abort Gloo
     except UsageError as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds the same error: say it once
-            print(f"error: {e}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:  # under torchrun every rank finds the same error: rank 0 says it once, and torchrun stops
+            time.sleep(10)  # this rank when rank 0 exits; a rank still here found an error of its own
+        print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
