@@ -53,6 +53,11 @@ from datetime import timedelta
 from enum import Enum
 from typing import NamedTuple, Optional
 
+# libgomp's OpenMP threads wait for work by spinning, which starves our own threads whenever another program keeps
+# a core busy (4x slower beside one CPU hog on 2 cores); sleeping instead costs little. It must be set before torch
+# loads OpenMP; a value you export wins. README: "Threads and a busy machine".
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -148,6 +153,7 @@ class Args:
 
 
 DATA_PARALLEL = True  # runs under torchrun, one process per GPU or CPU share (README: "Scaling out")
+THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
 
 class UsageError(ValueError):
@@ -1130,8 +1136,8 @@ def main() -> None:
         args = parse_args()
         device = join_process_group(args, validate(args))
         if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
-            per_rank = available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(args.torch_threads or max(1, per_rank))
+            per_rank = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
         train(args if device.type == "cpu" else replace(args, device=str(device)))
         if dist.is_initialized():
             dist.barrier()  # every rank waits for rank 0's writing: leaving the group early can abort Gloo

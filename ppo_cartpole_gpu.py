@@ -42,6 +42,11 @@ from datetime import timedelta
 from enum import Enum
 from typing import Literal, NamedTuple, Optional
 
+# libgomp's OpenMP threads wait for work by spinning, which starves our own threads whenever another program keeps
+# a core busy (4x slower beside one CPU hog on 2 cores); sleeping instead costs little. It must be set before torch
+# loads OpenMP; a value you export wins. README: "Threads and a busy machine".
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -99,7 +104,8 @@ class Args:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device to run everything on (cuda when available, else cpu)"""
     torch_threads: int = 0
-    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
+    """CPU threads for torch; 0 picks one below 1024 envs (ops this small gain little from a second thread), else
+    one per available core (ignored on GPU)"""
     compile: bool = False
     """torch.compile the rollout, the batch preparation and the gradient step into graphs: faster
     iterations after a one-off compilation in iteration 1 (not counted in SPS); see README for when it pays"""
@@ -132,6 +138,7 @@ class Args:
 
 
 DATA_PARALLEL = True  # runs under torchrun, one process per GPU or CPU share (README: "Scaling out")
+THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (README: "Threads and a busy machine")
 
 
 class UsageError(ValueError):
@@ -1243,8 +1250,8 @@ def main() -> None:
         args = parse_args()
         device = join_process_group(args, validate(args))
         if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
-            per_rank = available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(args.torch_threads or max(1, per_rank))
+            per_rank = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
         train(args if device.type == "cpu" else replace(args, device=str(device)))
         if dist.is_initialized():
             dist.barrier()  # every rank waits for rank 0's writing: leaving the group early can abort Gloo

@@ -11,18 +11,22 @@ Prints three markdown tables (with the command and the machine):
   3. time-to-solve (training seconds and env steps until the mean return of the last 100
      episodes first reaches 475) of reinforce.py, vpg.py and ppo_cartpole_gpu.py on their
      defaults, and of a CleanRL-style baseline written below (PPO, 4 gymnasium CartPole-v1 envs in
-     a SyncVectorEnv, 128 steps, CleanRL's defaults).
+     a SyncVectorEnv, 128 steps, CleanRL's defaults);
+  4. training SPS of the CartPole scripts alone and beside one CPU-bound program (a bounded "CPU hog"), with
+     the thread defaults of before (one torch thread per core, OpenMP threads spinning while they wait) and of
+     now (one thread below 1024 envs, OMP_WAIT_POLICY=PASSIVE): how gracefully a busy laptop slows them.
 The time-to-solve runs keep their TensorBoard logs under `--logdir`; benchmarks/plot_curves.py
 draws them.
 
     python benchmarks/cartpole.py                 # everything, ~15 minutes on a 2-core CPU
     python benchmarks/cartpole.py --seeds 1       # one seed per time-to-solve row
-    python benchmarks/plot_curves.py              # the learning-curve PNG from those logs
+    python benchmarks/plot_curves.py              # the learning-curve PNG from those logs (benchmarks/logs/)
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import shutil
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 
 import gymnasium as gym
@@ -69,6 +74,8 @@ class BenchArgs:
     """seeds of the eager / --compile / JAX-peer time-to-solve runs (whole processes, cold caches)"""
     skip_peer: bool = False
     """leave out the eager / --compile / JAX-peer comparison"""
+    skip_busy: bool = False
+    """leave out the quiet vs busy-machine (one CPU hog) rows"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,8 +136,16 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
 # 2./3. our trainer
 # ----------------------------------------------------------------------------------------------
 def run_script(module, logdir: str, **overrides) -> dict:
-    """Train `module` (one of the scripts) in `logdir` with the given flag overrides; return its summary.json."""
-    return train_and_summarize(module, module.Args(progress_bar=False, eval_episodes=0, **overrides), logdir)
+    """Train `module` (one of the scripts) in `logdir` with the given flag overrides and the thread count its
+    main() would pick; return its summary.json."""
+    args = module.Args(progress_bar=False, eval_episodes=0, **overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores() if args.num_envs >= module.THREADED_FROM_ENVS else 1)
+    try:
+        with redirect_stdout(io.StringIO()):  # its result line: the benchmark prints its own progress
+            return train_and_summarize(module, args, logdir)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +287,7 @@ def peer_rows(bench: BenchArgs) -> list[tuple]:
         ratio = f"{sps['--compile'] / sps['JAX peer']:.2f}x"
         rows.append((f"training SPS after compilation, {n}x16 ({iterations} iterations)",
                      *(f"{sps[m]:,.0f}" for m in PEER_MODES), ratio))  # fmt: skip
-        print(rows[-1], file=sys.stderr)
+        progress(rows[-1])
         solved = {mode: [peer_run(mode, n, seed) for seed in bench.peer_seeds] for mode in PEER_MODES}
         for key, label in (("solved_at_seconds", "training loop"), ("process_seconds", "whole process")):
             means = {m: [r[key] if r["solved_at_step"] is not None else None for r in solved[m]] for m in PEER_MODES}
@@ -280,11 +295,72 @@ def peer_rows(bench: BenchArgs) -> list[tuple]:
             ratio = f"{statistics.mean(means['JAX peer']) / statistics.mean(means['--compile']):.2f}x" if ok else ""
             rows.append((f"time-to-solve (475), {label}, s, {n}x16, seeds {','.join(map(str, bench.peer_seeds))}",
                          *(spread(means[m], ".1f") for m in PEER_MODES), ratio))  # fmt: skip
-            print(rows[-1], file=sys.stderr)
+            progress(rows[-1])
     return rows
 
 
 # ----------------------------------------------------------------------------------------------
+# 5. a busy machine: training speed alone and beside one CPU-bound program (a "hog"), with the thread
+# defaults of before (one thread per core, OpenMP threads spinning while idle) and of now (one thread below
+# 1024 envs; OMP_WAIT_POLICY=PASSIVE set by the scripts)
+# ----------------------------------------------------------------------------------------------
+BUSY_WORKLOADS = (
+    ("ppo_cartpole_gpu.py", ["--total-timesteps", "204800"]),
+    ("vpg.py", ["--total-timesteps", "307200"]),
+    ("reinforce.py", ["--total-timesteps", "320000"]),
+    ("ppo_cartpole_gpu.py", ["--num-envs", "4096", "--total-timesteps", "1048576"]),
+)
+
+
+@contextmanager
+def cpu_hogs(count: int, seconds: float = 600.0):
+    """`count` processes that keep one core each busy, for at most `seconds` (killed on leaving)."""
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def script_sps(script: str, flags: list[str], env: dict) -> float:
+    """Training SPS of one whole-process run of `script` with `flags` (fixed steps, no target, no evaluation)."""
+    command = [sys.executable, os.path.join(ROOT, script), *flags, "--target-return", "None", "--no-progress-bar",
+               "--eval-episodes", "0"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, check=True, timeout=900)
+        (path,) = glob.glob(os.path.join(tmp, "runs", "*", "summary.json"))
+        return json.load(open(path))["mean_sps"]
+
+
+def busy_rows(hogs: int) -> list[tuple]:
+    quiet_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    setups = {"before": (dict(quiet_env, OMP_WAIT_POLICY="ACTIVE"), ["--torch-threads", str(cores())]),
+              "now": (quiet_env, [])}  # fmt: skip
+    rows = []
+    for script, flags in BUSY_WORKLOADS:
+        sps = {}
+        for name, (env, threads) in setups.items():
+            sps[name, "quiet"] = script_sps(script, flags + threads, env)
+            with cpu_hogs(hogs):
+                sps[name, "busy"] = script_sps(script, flags + threads, env)
+        rows.append((f"`{script} {' '.join(flags)}`", *(f"{sps[k]:,.0f}" for k in sps),
+                     f"{sps['before', 'quiet'] / sps['before', 'busy']:.2f}x",
+                     f"{sps['now', 'quiet'] / sps['now', 'busy']:.2f}x",
+                     f"{sps['now', 'quiet'] / sps['before', 'quiet']:.2f}x"))  # fmt: skip
+        progress(rows[-1])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+def progress(row: tuple) -> None:
+    """One finished row on stderr while the benchmark runs (the tables come at the end, on stdout)."""
+    print("  " + " | ".join(str(cell) for cell in row), file=sys.stderr, flush=True)
+
+
 def spread(values: list[float], fmt: str) -> str:
     """'mean (min–max)' of the solved runs, and how many did not solve."""
     solved = [v for v in values if v is not None]
@@ -307,8 +383,9 @@ def main() -> None:
         r_ours, r_compiled, r_ref = env_rates(n, device, bench.seconds_per_measure)
         env_rows.append((f"env steps/s, random actions, N={n} ({device.type})", f"{r_ours:,.0f}", f"{r_compiled:,.0f}",
                          f"{r_ref:,.0f}", f"{r_ours / r_ref:.2f}x / {r_compiled / r_ref:.2f}x"))  # fmt: skip
-        print(env_rows[-1], file=sys.stderr)
+        progress(env_rows[-1])
     peer = [] if bench.skip_peer else peer_rows(bench)
+    busy = [] if bench.skip_busy else busy_rows(hogs=1)
 
     shutil.rmtree(os.path.join(bench.logdir, "runs"), ignore_errors=True)
     os.makedirs(bench.logdir, exist_ok=True)
@@ -327,7 +404,8 @@ def main() -> None:
         rows.append((f"env steps to solve, seeds {seeds}: {name} vs CleanRL-style",
                      spread([r["solved_at_step"] for r in solved], ",.0f"),
                      spread([b["solved_at_step"] for b in base], ",.0f") if base else "", ""))  # fmt: skip
-        print(rows[-2:], file=sys.stderr)
+        progress(rows[-2])
+        progress(rows[-1])
 
     print(f"\n`python {' '.join(sys.argv)}` on {machine(gym, jax)}\n")
     print("| measure | ours, eager | ours, --compile | gymnasium | ratio (eager / compiled) |")
@@ -338,6 +416,14 @@ def main() -> None:
         print("\n| ppo_cartpole_gpu.py vs the JAX peer | eager | --compile | JAX peer | compiled vs JAX |")
         print("|---|---|---|---|---|")
         for row in peer:
+            print("| " + " | ".join(row) + " |")
+    if busy:
+        print(
+            f"\n| training SPS, quiet vs beside 1 CPU hog ({cores()} cores) | before: quiet | before: busy "
+            "| now: quiet | now: busy | slowdown, before | slowdown, now | now / before, quiet |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for row in busy:
             print("| " + " | ".join(row) + " |")
     print("\n| measure | ours | CleanRL-style | ratio |")
     print("|---|---|---|---|")

@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -224,6 +225,39 @@ def test_train_leaves_the_thread_count_alone(name, in_tmp):
     mod.train(mod.Args(torch_threads=threads + 1, total_timesteps=5000, num_envs=8, progress_bar=False,
                        eval_episodes=0, device="cpu"))  # fmt: skip
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("num_envs", [128, 1024])
+def test_default_thread_count(name, num_envs, monkeypatch):
+    """--torch-threads 0: the CartPole and Brax scripts take one thread below 1024 envs, all cores from there on;
+    Atari's CNN always all cores. An explicit count wins."""
+    mod = import_script(name)
+    chosen = []
+    monkeypatch.setattr(mod, "available_cores", lambda: 4)
+    monkeypatch.setattr(mod.torch, "set_num_threads", chosen.append)
+    monkeypatch.setattr(mod, "train", lambda args: None)
+    for threads in (0, 3):
+        monkeypatch.setattr(sys, "argv", [name, "--num-envs", str(num_envs), "--device", "cpu",
+                                          "--torch-threads", str(threads)])  # fmt: skip
+        mod.main()
+    one_below_1024 = name != "ppo_atari_envpool"
+    assert chosen == [1 if one_below_1024 and num_envs < 1024 else 4, 3]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_openmp_threads_sleep_when_idle_unless_told_otherwise(name):
+    """OMP_WAIT_POLICY=PASSIVE is set before torch loads OpenMP (a spinning thread starves ours on a busy machine),
+    and a value the user exported is kept."""
+    import_script(name)  # skips where the simulator is not installed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import os, sys; sys.path.insert(0, {root!r}); import {name}, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    for exported, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if exported:
+            env["OMP_WAIT_POLICY"] = exported
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[-1] == expected
 
 
 def test_benchmark_machine_line_without_sched_getaffinity(monkeypatch):
