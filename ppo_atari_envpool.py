@@ -71,7 +71,8 @@ class Args:
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
     total_timesteps: int = 10_000_000
-    """agent steps in total, all torchrun ranks together (each is 4 emulator frames)"""
+    """agent steps in total, all torchrun ranks together (each is 4 emulator frames); CleanRL's 10M takes 5-11 h on
+    a 2-core CPU (250-540 SPS measured): after three iterations a note says how long the rest will take"""
     target_return: Optional[float] = None
     """stop once the mean score of the last 100 games reaches this (None: run all steps)"""
     learning_rate: float = 2.5e-4
@@ -119,11 +120,13 @@ class Args:
     the other half is still being emulated, so the policy and the emulators overlap"""
     compile: bool = False
     """torch.compile the network (pays a one-off compile time)"""
-    channels_last: bool = True
-    """keep conv activations in channels-last memory layout (faster convolutions on CPU and GPU)"""
+    channels_last: bool = torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """keep conv activations in channels-last memory layout; default on with CUDA or an AVX-512 CPU (faster
+    convolutions there), off on other CPUs (slower on an AVX2 AMD EPYC; README "Atari")"""
     bf16: bool = False
-    """run the CNN trunk in bfloat16 autocast (AMX on recent Xeons, tensor cores on GPUs); the
-    heads, the losses and the weights stay float32"""
+    """run the CNN trunk in bfloat16 autocast; needs bf16 hardware (AMX or AVX512-BF16 CPUs such as Xeons
+    from Sapphire Rapids on, GPUs from Ampere on): refused elsewhere, where it is emulated and several times
+    slower. The heads, the losses and the weights stay float32"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -980,7 +983,20 @@ def validate(args: Args) -> torch.device:
         raise UsageError(f"unknown --env-id {args.env_id!r}: envpool.list_all_envs() lists the games (e.g. Pong-v5)")
     if type(envpool.make_spec(args.env_id)).__name__ != "AtariEnvSpec":
         raise UsageError(f"--env-id {args.env_id} is not an Atari game (e.g. Breakout-v5, Pong-v5)")
-    return validate_run_flags(args)
+    device = validate_run_flags(args)
+    if args.bf16 and not has_fast_bf16(device):
+        kind = "GPU" if device.type == "cuda" else "CPU"
+        raise UsageError(f"--bf16: this {kind} has no bfloat16 hardware (AMX or AVX512-BF16 CPUs, GPUs from Ampere "
+                         "on) and would emulate it several times slower; leave out --bf16")  # fmt: skip
+    return device
+
+
+def has_fast_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 math runs in hardware on `device` (measured on a CPU without it: 6.5x slower, README)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch's own cpuinfo checks; a missing one: no
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
 def validate_run_flags(args) -> torch.device:

@@ -1,4 +1,5 @@
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,9 @@ def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> 
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def read_json(path) -> dict:
+    """A JSON file's content, the file closed again (a bare json.load(open(...)) leaks it until collected)."""
+    with open(path) as f:
+        return json.load(f)

@@ -3,7 +3,6 @@ EnvPool's auto-reset and async ordering (with a scripted fake pool), PPO's ratio
 update, the evaluation of whole games, and short real runs."""
 
 import glob
-import json
 import os
 import types
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import ppo_atari_envpool as A
-from conftest import SUMMARY_KEYS, assert_one_error_line, run_script
+from conftest import SUMMARY_KEYS, assert_one_error_line, read_json, run_script
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +108,29 @@ def test_bf16_trunk_is_close_to_float32_and_heads_stay_float32():
     torch.testing.assert_close(logits16, logits, atol=2e-3, rtol=0.05)
     torch.testing.assert_close(value16, value, atol=0.05, rtol=0.05)
     assert all(p.dtype == torch.float32 for p in fast.parameters())
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_bf16_is_refused_without_bf16_hardware(fast, monkeypatch, capsys):
+    """Emulated bf16 ran 6.5x slower on an AVX2 EPYC: without the hardware --bf16 is one error line."""
+    monkeypatch.setattr(A, "has_fast_bf16", lambda device: fast)
+    args = A.Args(bf16=True, device="cpu")
+    if fast:
+        assert A.validate(args).type == "cpu"
+    else:
+        with pytest.raises(A.UsageError, match="--bf16: this CPU has no bfloat16 hardware"):
+            A.validate(args)
+
+
+def test_bf16_hardware_check_follows_torch_cpuinfo():
+    expected = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert A.has_fast_bf16(torch.device("cpu")) == expected
+
+
+def test_channels_last_is_the_default_where_it_is_faster():
+    """On with CUDA or an AVX-512 CPU, off on AVX2 CPUs (slower there: README "Atari")."""
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert A.Args().channels_last == (torch.cuda.is_available() or avx512)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +276,7 @@ def test_rollout_keeps_each_envs_steps_in_order_and_masks_reset_steps(async_envs
                 after_done = bool(dones[t, e])
         # and the reset steps are not trained on: every sample in this update is a valid row
     assert sum(samples) == valid_rows
-    summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
+    summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
     assert summary["episodes"] > 0 and summary["status"] == "completed"
     # scores are raw rewards summed over a game: env e's game j is steps 7j+1..7j+7
     assert summary["mean_return_last_100"] > 1000
@@ -337,7 +359,7 @@ def test_smoke_run_on_a_real_game(env_id, flags, tmp_path):
     result = run_script("ppo_atari_envpool", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     (run_dir,) = glob.glob(str(tmp_path / "runs" / f"{env_id}__ppo_atari_envpool__1__*"))
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     assert set(summary) == SUMMARY_KEYS and summary["args"]["async_envs"] == ("--async-envs" in flags)
     assert summary["status"] == "completed" and summary["total_env_steps"] >= 1024 and summary["mean_sps"] > 0
     assert summary["iterations"] == 4 and len(summary["eval_returns"]) == 1

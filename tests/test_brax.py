@@ -2,7 +2,6 @@
 observation normaliser, videos that leave training alone, bad input and short real runs."""
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, import_script, run_script
+from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, import_script, read_json, run_script
 
 B = import_script("ppo_mujoco_brax")
 
@@ -167,7 +166,7 @@ def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, mon
     for name, tensor in plain.state_dict().items():
         assert torch.equal(tensor, filmed.state_dict()[name]), name
     plain_run, filmed_run = sorted(glob.glob(str(in_tmp / "runs" / "*")))
-    summaries = [json.load(open(os.path.join(run, "summary.json"))) for run in (plain_run, filmed_run)]
+    summaries = [read_json(os.path.join(run, "summary.json")) for run in (plain_run, filmed_run)]
     for key in ("total_env_steps", "episodes", "mean_return_last_100", "eval_returns"):
         assert summaries[0][key] == summaries[1][key], key
     films = ["episode_iter00001", "episode_iter00002", "episode_iter00003", "evaluation"]
@@ -186,7 +185,7 @@ def test_smoke_run(env_id, tmp_path):
                         "--no-progress-bar", "--save-model", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / f"{env_id}__ppo_mujoco_brax__1__*"))
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     assert set(summary) == SUMMARY_KEYS and summary["args"]["backend"] == "spring"
     assert summary["status"] == "completed" and summary["total_env_steps"] == 3200 and summary["mean_sps"] > 0
     assert len(summary["eval_returns"]) == 2 and glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
@@ -229,7 +228,7 @@ def test_inverted_pendulum_is_learned(in_tmp):
     args = B.Args(env_id="inverted_pendulum", num_envs=256, total_timesteps=2_000_000, target_return=900.0,
                   progress_bar=False, eval_episodes=16)  # fmt: skip
     B.train(args)
-    summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
+    summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
     assert summary["status"] == "target return reached" and summary["mean_return_last_100"] >= 900, summary
     assert summary["eval_mean_return"] >= 900
 

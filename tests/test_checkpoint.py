@@ -1,7 +1,6 @@
 """Never lose a run: checkpoints, --resume, SIGTERM/SIGINT, and --eval-only on a saved model."""
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, SCRIPTS, assert_one_error_line, import_script, run_script
+from conftest import ROOT, SCRIPTS, assert_one_error_line, import_script, read_json, run_script
 
 
 def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -61,14 +60,14 @@ def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
         module.train(replace(args, exp_name="cut"))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Run put the handlers back
     cut = run_dir(in_tmp, "cut")
-    stopped = json.load(open(os.path.join(cut, "summary.json")))
+    stopped = read_json(os.path.join(cut, "summary.json"))
     assert stopped["status"] == "interrupted" and stopped["iterations"] == 3
     resumed = module.train(replace(args, exp_name="cut", resume=cut))
 
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
     assert scalars(cut) == scalars(run_dir(in_tmp, "whole"))
-    a, b = (json.load(open(os.path.join(run_dir(in_tmp, n), "summary.json"))) for n in ("whole", "cut"))
+    a, b = (read_json(os.path.join(run_dir(in_tmp, n), "summary.json")) for n in ("whole", "cut"))
     for key in ("status", "total_env_steps", "iterations", "episodes", "mean_return_last_100", "solved_at_step",
                 "eval_returns"):  # fmt: skip
         assert a[key] == b[key], key
@@ -88,7 +87,7 @@ def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "interrupted by SIGTERM" in err
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
-    summary = json.load(open(os.path.join(folder, "summary.json")))
+    summary = read_json(os.path.join(folder, "summary.json"))
     assert summary["status"] == "interrupted" and f"--resume {os.path.relpath(folder, tmp_path)}" in out
     saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
     assert saved["iteration"] == summary["iterations"] > 0 and saved["global_step"] == summary["total_env_steps"]
@@ -127,7 +126,7 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
     train = run_script(script, "--total-timesteps", "20000", "--num-envs", "32", "--save-model", "--eval-episodes",
                        "4", "--exp-name", "trained", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
     assert train.returncode == 0, train.stderr
-    trained = json.load(open(os.path.join(run_dir(tmp_path, "trained"), "summary.json")))
+    trained = read_json(os.path.join(run_dir(tmp_path, "trained"), "summary.json"))
     for model, name in ((trained["model_path"], "from_model"), (os.path.join(run_dir(tmp_path, "trained")), "")):
         if not name:  # a run folder's checkpoint
             model, name = os.path.join(model, "checkpoint.pt"), "from_checkpoint"
@@ -135,7 +134,7 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
                             "--exp-name", name, "--num-envs", "32", cwd=tmp_path)  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip().splitlines()[-1].startswith(f"evaluated {model}: mean return")
-        summary = json.load(open(os.path.join(run_dir(tmp_path, name), "summary.json")))
+        summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
         assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
         assert summary["eval_returns"] == trained["eval_returns"]
         video = os.path.join(run_dir(tmp_path, name), "videos", "evaluation.mp4")
@@ -174,7 +173,7 @@ def test_resume_takes_the_checkpoints_flags_and_may_extend_the_run(tmp_path):
     folder = run_dir(tmp_path, "mine")
     more = run_script("vpg", "--resume", folder, "--total-timesteps", "8192", cwd=tmp_path)
     assert more.returncode == 0, more.stderr
-    summary = json.load(open(os.path.join(folder, "summary.json")))
+    summary = read_json(os.path.join(folder, "summary.json"))
     assert summary["total_env_steps"] == 8192 and summary["iterations"] == 16
     assert summary["args"]["learning_rate"] == 0.002 and summary["args"]["num_envs"] == 32
     assert summary["args"]["exp_name"] == "mine" and glob.glob(str(tmp_path / "runs" / "*")) == [folder]

@@ -2,7 +2,6 @@
 
 import glob
 import importlib
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import ppo_cartpole_gpu as P
-from conftest import ROOT, SCRIPTS, SUMMARY_KEYS, assert_one_error_line, run_script
+from conftest import ROOT, SCRIPTS, SUMMARY_KEYS, assert_one_error_line, read_json, run_script
 from probes import Probe1
 
 COMMON_TAGS = {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -48,7 +47,7 @@ def test_smoke_run_writes_events_summary_video_model_and_wandb(script, tmp_path)
     run_dir = only_run_dir(tmp_path)
     assert os.path.basename(run_dir).startswith(f"CartPole-v1__{script}__7__")
     assert COMMON_TAGS | EXTRA_TAGS[script] <= scalar_tags(run_dir)
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     assert set(summary) == SUMMARY_KEYS and summary["status"] == "completed"
     if script != "reinforce":  # whose rollouts end once every env has finished an episode
         assert summary["total_env_steps"] == summary["iterations"] * 64 * summary["args"]["num_steps"]
@@ -134,7 +133,7 @@ def test_ctrl_c_writes_summary_and_model(script, tmp_path):
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
     run_dir = only_run_dir(tmp_path)
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     assert summary["status"] == "interrupted" and summary["total_env_steps"] > 0
     assert os.path.exists(os.path.join(run_dir, f"{script}.cleanrl_model"))
     assert "charts/SPS" in scalar_tags(run_dir)
@@ -153,7 +152,7 @@ def test_non_finite_loss_stops_the_run(script, in_tmp):
     )
     with pytest.raises(module.NonFiniteLossError, match="non-finite loss at iteration 1"):
         module.train(args, envs=NaNProbe(64, "cpu"))
-    summary = json.load(open(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0]))
+    summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
     assert summary["status"] == "non-finite loss" and summary["model_path"] is None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from conftest import SCRIPTS, import_script
+from conftest import SCRIPTS, import_script, read_json
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -91,12 +91,11 @@ def test_tanh_is_the_same_compiled():
 def test_compiled_defaults_solve_cartpole(name, in_tmp):
     """The defaults with --compile solve CartPole, and SPS leaves out iteration 1 (compilation)."""
     import glob
-    import json
 
     mod = import_script(name)
     mod.train(mod.Args(compile=True, progress_bar=False, seed=1))
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    summary = json.load(open(path))
+    summary = read_json(path)
     assert summary["solved_at_step"] is not None and summary["solved_at_step"] <= 400_000, summary
     assert summary["eval_mean_return"] >= 475
     assert summary["mean_sps"] * summary["wall_seconds"] < summary["total_env_steps"]  # iteration 1 not counted

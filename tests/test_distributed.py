@@ -1,7 +1,6 @@
 """Data parallel under torchrun: 2 processes on the CPU (Gloo), as `torchrun --nproc_per_node 2` runs them."""
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 import torch
 from dp_worker import fixed_batch, update_batches, updated
 
-from conftest import ROOT, import_script
+from conftest import ROOT, import_script, read_json
 
 P = import_script("ppo_cartpole_gpu")
 
@@ -69,7 +68,7 @@ def test_ranks_stay_bit_identical_and_rank_0_writes_alone(worker_outputs):
     for key in weights[0]:
         assert torch.equal(weights[0][key], weights[1][key]), key
     (path,) = glob.glob(str(worker_outputs / "runs" / "*" / "summary.json"))
-    summary = json.load(open(path))
+    summary = read_json(path)
     assert summary["world_size"] == 2
     assert summary["total_env_steps"] == 2 * 16 * 8 * 5 and summary["iterations"] == 5
 
@@ -106,7 +105,7 @@ def test_short_atari_and_brax_runs_under_torchrun(tmp_path, script, flags):
                       cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))  # one run folder: rank 0's
-    summary = json.load(open(path))
+    summary = read_json(path)
     assert summary["world_size"] == 2 and summary["status"] == "completed" and summary["model_path"], summary
     assert summary["total_env_steps"] >= 1000 and len(summary["eval_returns"]) == 1
 
@@ -117,7 +116,7 @@ def test_torchrun_solves_cartpole(tmp_path):
                       "--target-return", "475", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
-    summary = json.load(open(path))
+    summary = read_json(path)
     assert summary["world_size"] == 2 and summary["status"] == "target return reached", summary
     assert summary["solved_at_step"] <= 400_000
     assert result.stdout.count("target return reached") == 1  # rank 0 prints the result line alone
@@ -149,7 +148,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     out, err = proc.communicate(timeout=120)
     assert "interrupted by SIGINT: a checkpoint" in err, err[-3000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / "*"))
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert summary["status"] == "interrupted" and summary["world_size"] == 2
     assert saved["iteration"] == summary["iterations"] > 0 and len(saved["ranks"]) == 2
@@ -157,5 +156,5 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     more = str(summary["total_env_steps"] + 2 * 32 * 16 * 3)  # three more iterations
     result = torchrun(script, "--resume", run_dir, "--total-timesteps", more, "--eval-episodes", "0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     assert summary["status"] == "completed" and summary["iterations"] == saved["iteration"] + 3

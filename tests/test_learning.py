@@ -2,11 +2,11 @@
 
 import glob
 import importlib
-import json
 
 import pytest
 
 import ppo_cartpole_gpu as P
+from conftest import read_json
 
 # env steps within which the defaults must reach a 100-episode mean of 475: about 3x what the
 # benchmark measured for seeds 1-3 (PPO ~0.11M, VPG ~0.4M, REINFORCE ~0.78M)
@@ -16,7 +16,7 @@ BUDGET = {"ppo_cartpole_gpu": 400_000, "vpg": 1_500_000, "reinforce": 2_500_000}
 def solve(module, in_tmp, **overrides) -> dict:
     module.train(module.Args(device="cpu", progress_bar=False, **overrides))
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    return json.load(open(path))
+    return read_json(path)
 
 
 @pytest.mark.learning

@@ -4,7 +4,6 @@ against hand-computed numbers, and the run management's bookkeeping on scripted 
 import glob
 import importlib
 import inspect
-import json
 import math
 import os
 import subprocess
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ALL_SCRIPTS, SCRIPTS, SUMMARY_KEYS, import_script
+from conftest import ALL_SCRIPTS, SCRIPTS, SUMMARY_KEYS, import_script, read_json
 
 MARKER = "    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----"
 SHARED = ["Status", "write_video", "validate_run_flags", "available_cores", "parse_args", "main", "UsageError",
@@ -155,7 +154,7 @@ def scripted_run(in_tmp, rollouts, stats=None, **flags):
                 stopped_at = i
                 break
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    return json.load(open(path)), stopped_at
+    return read_json(path), stopped_at
 
 
 def test_run_counts_episodes_and_the_100_episode_window(in_tmp):
@@ -182,7 +181,7 @@ def test_run_stops_on_a_non_finite_loss_and_keeps_no_weights(in_tmp):
     with pytest.raises(P.NonFiniteLossError, match="non-finite loss at iteration 1 \\(env step 1000\\)"):
         scripted_run(in_tmp, [[10.0]], stats=stats)
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    summary = json.load(open(path))
+    summary = read_json(path)
     assert summary["status"] == "non-finite loss" and summary["model_path"] is None
 
 
@@ -195,7 +194,7 @@ def test_run_writes_everything_on_ctrl_c(in_tmp):
             run.log(10, {"losses/total_loss": torch.tensor(1.0)}, ScriptedRollout([20.0, 30.0]))
             raise KeyboardInterrupt
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    summary = json.load(open(path))
+    summary = read_json(path)
     assert summary["status"] == "interrupted" and summary["episodes"] == 2 and summary["mean_return_last_100"] == 25.0
     assert os.path.exists(summary["model_path"]) and summary["eval_returns"] is None  # no evaluation when cut short
 
