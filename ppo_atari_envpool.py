@@ -120,9 +120,9 @@ class Args:
     the other half is still being emulated, so the policy and the emulators overlap"""
     compile: bool = False
     """torch.compile the network (pays a one-off compile time)"""
-    channels_last: bool = torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() == "AVX512"
-    """keep conv activations in channels-last memory layout; default on with CUDA or an AVX-512 CPU (faster
-    convolutions there), off on other CPUs (slower on an AVX2 AMD EPYC; README "Atari")"""
+    channels_last: bool = True
+    """keep conv activations in channels-last memory layout (faster convolutions on CPU and GPU: 1.27x on a 2-core
+    Intel Xeon, 1.07-1.27x on a 2-core AMD EPYC; README "Atari")"""
     bf16: bool = False
     """run the CNN trunk in bfloat16 autocast; needs bf16 hardware (AMX or AVX512-BF16 CPUs such as Xeons
     from Sapphire Rapids on, GPUs from Ampere on): refused elsewhere, where it is emulated and several times

@@ -7,13 +7,17 @@ threads and device. Prints one markdown table with the command and the machine.
 
     python benchmarks/atari.py                          # Breakout-v5, 3 iterations of 8 envs x 128 steps each
     python benchmarks/atari.py --env-id Pong-v5 --iterations 5
+    python benchmarks/atari.py --iterations 5 --repeats 3 --skip-bf16   # the float32 rows, 3 rounds
 """
 
 from __future__ import annotations
 
+import io
 import os
+import statistics
 import sys
 import time
+from contextlib import redirect_stdout
 from dataclasses import dataclass
 
 import envpool
@@ -39,6 +43,11 @@ class BenchArgs:
     """steps per env per rollout"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device for both"""
+    repeats: int = 1
+    """measure every row this many times, round-robin (shared machines drift): the table shows the median and
+    the range"""
+    skip_bf16: bool = False
+    """leave out the --bf16 rows (minutes each on a CPU without bf16 hardware)"""
 
 
 def run_ours(bench: BenchArgs, **overrides) -> float:
@@ -127,30 +136,39 @@ def main() -> None:
     bench = tyro.cli(BenchArgs)
     torch.set_num_threads(cores())
     dev = torch.device(bench.device).type
-    base = cleanrl_baseline(bench)
-    print(f"  CleanRL-style baseline: {base:,.0f} SPS", file=sys.stderr, flush=True)
-    rows = [("CleanRL-style baseline (sync)", base)]
-    default_layout = ours.Args().channels_last  # on with CUDA or an AVX-512 CPU
+    default_layout = ours.Args().channels_last
     other_layout = "--no-channels-last" if default_layout else "--channels-last"
     fast_bf16 = ours.has_fast_bf16(torch.device(bench.device))
     bf16_note = "" if fast_bf16 else " (refused by the script here: no bf16 hardware)"
-    for name, overrides in (
-        (f"ppo_atari_envpool.py, defaults ({'channels-last' if default_layout else 'no channels-last'})", {}),
-        ("ppo_atari_envpool.py --async-envs", {"async_envs": True}),
-        (f"ppo_atari_envpool.py {other_layout}", {"channels_last": not default_layout}),
-        (f"ppo_atari_envpool.py --bf16{bf16_note}", {"bf16": True}),
-        (f"ppo_atari_envpool.py --bf16 --async-envs{bf16_note}", {"bf16": True, "async_envs": True}),
-    ):
-        rows.append((name, run_ours(bench, **overrides)))  # train() directly: the bf16 rows run even where refused
-        print(f"  {name}: {rows[-1][1]:,.0f} SPS", file=sys.stderr, flush=True)
+    configs = {
+        "CleanRL-style baseline (sync)": None,
+        f"ppo_atari_envpool.py, defaults ({'channels-last' if default_layout else 'no channels-last'})": {},
+        "ppo_atari_envpool.py --async-envs": {"async_envs": True},
+        f"ppo_atari_envpool.py {other_layout}": {"channels_last": not default_layout},
+    }
+    if not bench.skip_bf16:  # train() directly: these rows run even where the script refuses --bf16
+        configs[f"ppo_atari_envpool.py --bf16{bf16_note}"] = {"bf16": True}
+        configs[f"ppo_atari_envpool.py --bf16 --async-envs{bf16_note}"] = {"bf16": True, "async_envs": True}
+    sps = {name: [] for name in configs}
+    for _ in range(bench.repeats):
+        for name, overrides in configs.items():
+            with redirect_stdout(io.StringIO()):  # the script's result line: the benchmark prints its own
+                sps[name].append(cleanrl_baseline(bench) if overrides is None else run_ours(bench, **overrides))
+            print(f"  {name}: {sps[name][-1]:,.0f} SPS", file=sys.stderr, flush=True)
+    base = statistics.median(sps["CleanRL-style baseline (sync)"])
     setting = (
         f"{bench.num_envs} envs x {bench.num_steps} steps, 4 minibatches x 4 epochs, {bench.iterations} iterations"
     )
     print(f"\n`python {' '.join(sys.argv)}` on {machine(envpool)}; {bench.env_id}, {setting}, device {dev}\n")
-    print("| training loop | SPS | vs baseline |")
+    print(
+        "| training loop | SPS"
+        + (f", median of {bench.repeats} (range)" if bench.repeats > 1 else "")
+        + " | vs baseline |"
+    )
     print("|---|---|---|")
-    for name, sps in rows:
-        print(f"| {name} | {sps:,.0f} | {sps / base:.2f}x |")
+    for name, values in sps.items():
+        spread = f" ({min(values):,.0f}–{max(values):,.0f})" if len(values) > 1 else ""
+        print(f"| {name} | {statistics.median(values):,.0f}{spread} | {statistics.median(values) / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Learning curves (episodic return vs env steps) from TensorBoard logs.
 
     python benchmarks/cartpole.py                 # writes the logs to benchmarks/logs/runs
-    python benchmarks/plot_curves.py              # -> docs/cartpole_learning_curves.png
+    python benchmarks/plot_curves.py              # -> benchmarks/logs/cartpole_learning_curves.png
+    python benchmarks/plot_curves.py --out docs/cartpole_learning_curves.png   # replace README's figure
     python benchmarks/plot_curves.py --runs benchmarks/logs/atari/runs --exp-names ppo_atari_envpool \
-        --hline None --no-log-x --title "Breakout-v5" --out docs/atari_breakout.png
+        --hline None --no-log-x --title "Breakout-v5" --out benchmarks/logs/atari_breakout.png
 
 Each run folder is named {env_id}__{exp_name}__{seed}__{time}; runs are grouped by exp_name, one
 colour per algorithm, one line per seed.
@@ -32,8 +33,8 @@ class PlotArgs:
     """the experiments to draw, in legend order"""
     tag: str = "charts/episodic_return"
     """the scalar to draw"""
-    out: str = "docs/cartpole_learning_curves.png"
-    """the PNG to write"""
+    out: str = "benchmarks/logs/cartpole_learning_curves.png"
+    """the PNG to write (README's figures live in docs/: write there on purpose only)"""
     title: str = "CartPole-v1, default arguments, CPU (runs stop at a 100-episode mean of 500)"
     """the plot's title (the seeds are appended)"""
     hline: Optional[float] = 475.0

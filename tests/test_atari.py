@@ -127,12 +127,6 @@ def test_bf16_hardware_check_follows_torch_cpuinfo():
     assert A.has_fast_bf16(torch.device("cpu")) == expected
 
 
-def test_channels_last_is_the_default_where_it_is_faster():
-    """On with CUDA or an AVX-512 CPU, off on AVX2 CPUs (slower there: README "Atari")."""
-    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    assert A.Args().channels_last == (torch.cuda.is_available() or avx512)
-
-
 # ---------------------------------------------------------------------------------------------
 # Rollout bookkeeping with a fake EnvPool
 # ---------------------------------------------------------------------------------------------
