@@ -606,7 +606,7 @@ class Run:
 
             self.progress = tqdm(total=total_steps, initial=self.global_step, unit="step", unit_scale=True,
                                  dynamic_ncols=True)  # fmt: skip
-        if total_steps < self.args.total_timesteps and not self.args.eval_only:
+        if total_steps < 0.99 * self.args.total_timesteps and not self.args.eval_only:  # not for 5M -> 4,999,168
             self.note(
                 f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
             )

@@ -20,6 +20,8 @@ draws them.
 
     python benchmarks/cartpole.py                 # everything, ~15 minutes on a 2-core CPU
     python benchmarks/cartpole.py --seeds 1       # one seed per time-to-solve row
+    python benchmarks/cartpole.py --seeds 1-10 --skip-peer --skip-busy --skip-baseline --env-sizes 256
+                                                  # success rate and spread over 10 seeds
     python benchmarks/plot_curves.py              # the learning-curve PNG from those logs (benchmarks/logs/)
 """
 
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 
 import gymnasium as gym
@@ -54,8 +56,8 @@ from common import cores, machine, train_and_summarize  # noqa: E402
 
 @dataclass
 class BenchArgs:
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """seeds for the time-to-solve rows"""
+    seeds: str = "1-3"
+    """seeds for the time-to-solve rows: a range (1-10) or a list (1,4,7)"""
     env_sizes: list[int] = field(default_factory=lambda: [256, 4096, 16384])
     """numbers of envs for the env step-rate rows"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +144,7 @@ def run_script(module, logdir: str, **overrides) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(cores() if args.num_envs >= module.THREADED_FROM_ENVS else 1)
     try:
-        with redirect_stdout(io.StringIO()):  # its result line: the benchmark prints its own progress
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):  # its result line and notes
             return train_and_summarize(module, args, logdir)
     finally:
         torch.set_num_threads(threads)
@@ -374,6 +376,31 @@ def spread(values: list[float], fmt: str) -> str:
     return text
 
 
+def parse_seeds(text: str) -> list[int]:
+    """'1-10' -> [1, ..., 10]; '1,4,7' -> [1, 4, 7]."""
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(seed) for seed in text.split(",")]
+
+
+def solve_stats(results: list[dict]) -> tuple[str, str, str]:
+    """'k/n' solved, and the median (min–max) training seconds and env steps of the solved runs."""
+    solved = [r for r in results if r["solved_at_step"] is not None]
+    if not solved:
+        return f"0/{len(results)}", "", ""
+
+    def median_range(key: str, fmt: str) -> str:
+        values = [r[key] for r in solved]
+        return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
+
+    return (
+        f"{len(solved)}/{len(results)}",
+        median_range("solved_at_seconds", ".2f"),
+        median_range("solved_at_step", ",.0f"),
+    )
+
+
 def main() -> None:
     bench = tyro.cli(BenchArgs)
     device = torch.device(bench.device)
@@ -390,21 +417,18 @@ def main() -> None:
     shutil.rmtree(os.path.join(bench.logdir, "runs"), ignore_errors=True)
     os.makedirs(bench.logdir, exist_ok=True)
 
-    seeds = ",".join(map(str, bench.seeds))
-    base = [] if bench.skip_baseline else [cleanrl_baseline(seed, bench.baseline_max_steps) for seed in bench.seeds]
+    seeds = parse_seeds(bench.seeds)
+    base = [] if bench.skip_baseline else [cleanrl_baseline(seed, bench.baseline_max_steps) for seed in seeds]
+    if base:
+        rows.append(("CleanRL-style baseline (4 gymnasium envs x 128 steps)", *solve_stats(base), ""))
+        progress(rows[-1])
     for module in (reinforce, vpg, ours):
-        solved = [run_script(module, bench.logdir, seed=seed, device=bench.device) for seed in bench.seeds]
-        name = module.__name__ + ".py"
+        results = [run_script(module, bench.logdir, seed=seed, device=bench.device) for seed in seeds]
+        secs, base_secs = [r["solved_at_seconds"] for r in results], [b["solved_at_seconds"] for b in base]
         ratio = ""
-        secs = [r["solved_at_seconds"] for r in solved]
-        if base and None not in secs and None not in [b["solved_at_seconds"] for b in base]:
-            ratio = f"{statistics.mean(b['solved_at_seconds'] for b in base) / statistics.mean(secs):.1f}x faster"
-        rows.append((f"time-to-solve, s, seeds {seeds}: {name} (defaults) vs CleanRL-style", spread(secs, ".2f"),
-                     spread([b["solved_at_seconds"] for b in base], ".1f") if base else "", ratio))  # fmt: skip
-        rows.append((f"env steps to solve, seeds {seeds}: {name} vs CleanRL-style",
-                     spread([r["solved_at_step"] for r in solved], ",.0f"),
-                     spread([b["solved_at_step"] for b in base], ",.0f") if base else "", ""))  # fmt: skip
-        progress(rows[-2])
+        if base and None not in secs + base_secs:
+            ratio = f"{statistics.median(base_secs) / statistics.median(secs):.1f}x"
+        rows.append((f"{module.__name__}.py (defaults)", *solve_stats(results), ratio))
         progress(rows[-1])
 
     print(f"\n`python {' '.join(sys.argv)}` on {machine(gym, jax)}\n")
@@ -425,8 +449,11 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for row in busy:
             print("| " + " | ".join(row) + " |")
-    print("\n| measure | ours | CleanRL-style | ratio |")
-    print("|---|---|---|---|")
+    print(
+        f"\n| time-to-solve (475), seeds {bench.seeds} | solved | training seconds: median (min–max) | "
+        "env steps: median (min–max) | CleanRL-style seconds / ours (medians) |"
+    )
+    print("|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 

@@ -271,3 +271,9 @@ def test_run_says_when_total_timesteps_is_rounded_down(in_tmp, capsys):
     scripted_run(in_tmp, [[10.0], [10.0], [10.0]])
     err = capsys.readouterr().err
     assert "note: --total-timesteps 5,000,000 is rounded down to whole rollouts: 3,000" in err
+
+
+def test_run_keeps_quiet_about_a_rounding_under_one_percent(in_tmp, capsys):
+    """The defaults' 5,000,000 -> 4,999,168 (2,048-step rollouts) is not worth a line in every run."""
+    scripted_run(in_tmp, [[10.0], [10.0]], total_timesteps=2_010)
+    assert "rounded down" not in capsys.readouterr().err
