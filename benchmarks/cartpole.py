@@ -432,28 +432,29 @@ def main() -> None:
         progress(rows[-1])
 
     print(f"\n`python {' '.join(sys.argv)}` on {machine(gym, jax)}\n")
-    print("| measure | ours, eager | ours, --compile | gymnasium | ratio (eager / compiled) |")
-    print("|---|---|---|---|---|")
-    for row in env_rows:
-        print("| " + " | ".join(row) + " |")
+    print_table(["measure", "ours, eager", "ours, --compile", "gymnasium", "ratio (eager / compiled)"], env_rows)
     if peer:
-        print("\n| ppo_cartpole_gpu.py vs the JAX peer | eager | --compile | JAX peer | compiled vs JAX |")
-        print("|---|---|---|---|---|")
-        for row in peer:
-            print("| " + " | ".join(row) + " |")
+        print_table(["ppo_cartpole_gpu.py vs the JAX peer", "eager", "--compile", "JAX peer", "compiled vs JAX"], peer)
     if busy:
-        print(
-            f"\n| training SPS, quiet vs beside 1 CPU hog ({cores()} cores) | before: quiet | before: busy "
-            "| now: quiet | now: busy | slowdown, before | slowdown, now | now / before, quiet |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for row in busy:
-            print("| " + " | ".join(row) + " |")
-    print(
-        f"\n| time-to-solve (475), seeds {bench.seeds} | solved | training seconds: median (min–max) | "
-        "env steps: median (min–max) | CleanRL-style seconds / ours (medians) |"
-    )
-    print("|---|---|---|---|---|")
+        busy_header = [
+            f"training SPS, quiet vs beside 1 CPU hog ({cores()} cores)",
+            "before: quiet",
+            "before: busy",
+            "now: quiet",
+            "now: busy",
+            "slowdown, before",
+            "slowdown, now",
+            "now / before, quiet",
+        ]
+        print_table(busy_header, busy)
+    print_table([f"time-to-solve (475), seeds {bench.seeds}", "solved", "training seconds: median (min–max)",
+                 "env steps: median (min–max)", "CleanRL-style seconds / ours (medians)"], rows)  # fmt: skip
+
+
+def print_table(header: list[str], rows: list[tuple]) -> None:
+    """A markdown table, after a blank line."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
 
