@@ -71,8 +71,8 @@ class Args:
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
     total_timesteps: int = 10_000_000
-    """agent steps in total, all torchrun ranks together (each is 4 emulator frames); CleanRL's 10M takes 5-11 h on
-    a 2-core CPU (250-540 SPS measured): after three iterations a note says how long the rest will take"""
+    """agent steps in total, all torchrun ranks together (each is 4 emulator frames);
+    CleanRL's 10M take 5-11 h on a 2-core CPU (250-540 SPS): a note after 3 iterations gives the estimate"""
     target_return: Optional[float] = None
     """stop once the mean score of the last 100 games reaches this (None: run all steps)"""
     learning_rate: float = 2.5e-4
@@ -121,12 +121,11 @@ class Args:
     compile: bool = False
     """torch.compile the network (pays a one-off compile time)"""
     channels_last: bool = True
-    """keep conv activations in channels-last memory layout (faster convolutions on CPU and GPU: 1.27x on a 2-core
-    Intel Xeon, 1.07-1.27x on a 2-core AMD EPYC; README "Atari")"""
+    """keep conv activations in channels-last memory layout
+    (faster convolutions: 1.27x on a 2-core Intel Xeon, 1.07-1.27x on a 2-core AMD EPYC; README "Atari")"""
     bf16: bool = False
-    """run the CNN trunk in bfloat16 autocast; needs bf16 hardware (AMX or AVX512-BF16 CPUs such as Xeons
-    from Sapphire Rapids on, GPUs from Ampere on): refused elsewhere, where it is emulated and several times
-    slower. The heads, the losses and the weights stay float32"""
+    """run the CNN trunk in bfloat16 autocast (the heads, losses and weights stay float32);
+    needs bf16 hardware, refused elsewhere: AMX/AVX512-BF16 CPUs (Xeons from Sapphire Rapids on), Ampere+ GPUs"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"

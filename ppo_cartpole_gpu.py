@@ -104,8 +104,8 @@ class Args:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device to run everything on (cuda when available, else cpu)"""
     torch_threads: int = 0
-    """CPU threads for torch; 0 picks one below 1024 envs (ops this small gain little from a second thread), else
-    one per available core (ignored on GPU)"""
+    """CPU threads for torch (ignored on GPU); 0 picks one thread below 1024 envs,
+    where the ops are too small to gain from a second one, else one per available core"""
     compile: bool = False
     """torch.compile the rollout, the batch preparation and the gradient step into graphs: faster
     iterations after a one-off compilation in iteration 1 (not counted in SPS); see README for when it pays"""

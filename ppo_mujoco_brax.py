@@ -126,8 +126,8 @@ class Args:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device for the policy and the update (cuda when available, else cpu)"""
     torch_threads: int = 0
-    """CPU threads for torch; 0 picks one below 1024 envs (ops this small gain little from a second thread), else
-    one per available core (ignored on GPU)"""
+    """CPU threads for torch (ignored on GPU); 0 picks one thread below 1024 envs,
+    where the ops are too small to gain from a second one, else one per available core"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
