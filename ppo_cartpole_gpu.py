@@ -514,7 +514,7 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, g
 def make_batch(agent: Agent, rollout: Rollout, args: Args) -> Batch:
     """π_old and V_old in batched passes over the whole rollout, then GAE; the rollout as T*N samples."""
     T, N = rollout.rewards.shape
-    obs, actions = rollout.obs.view(T * N, -1), rollout.actions.view(T * N)
+    obs, actions = rollout.obs.view(T * N, -1), rollout.actions.flatten(0, 1)
     with torch.no_grad():
         logprobs, _, values = agent(obs, actions)
         next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)
@@ -604,7 +604,7 @@ def train(args: Args, envs=None) -> Agent:
 
 
 # ----------------------------------------------------------------------------------------------
-# Speed: the gradient step and torch.compile (the same code in the three CartPole scripts)
+# Speed: the gradient step and torch.compile (the same code in the CartPole scripts and the Brax one)
 # ----------------------------------------------------------------------------------------------
 def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
     """One step of Adam on `loss_fn(agent, args, *minibatch)`, the minibatch being the rows `idx` of `batch`

@@ -555,7 +555,7 @@ def train(args: Args, envs=None) -> Agent:
 
 
 # ----------------------------------------------------------------------------------------------
-# Speed: the gradient step and torch.compile (the same code in the three CartPole scripts)
+# Speed: the gradient step and torch.compile (the same code in the CartPole scripts and the Brax one)
 # ----------------------------------------------------------------------------------------------
 def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
     """One step of Adam on `loss_fn(agent, args, *minibatch)`, the minibatch being the rows `idx` of `batch`

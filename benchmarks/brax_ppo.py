@@ -66,11 +66,13 @@ def env_rates(bench: BenchArgs) -> tuple[float, float]:
     return raw, bench.env_steps * bench.num_envs / (time.perf_counter() - t0)
 
 
-def run_ours(bench: BenchArgs) -> float:
-    steps = bench.num_envs * bench.num_steps * bench.iterations
+def run_ours(bench: BenchArgs, compile: bool = False) -> float:
+    """Training SPS of ppo_mujoco_brax.py; with --compile one more iteration, the first (compilation), which
+    its SPS leaves out."""
+    steps = bench.num_envs * bench.num_steps * (bench.iterations + compile)
     args = ours.Args(env_id=bench.env_id, backend=bench.backend, num_envs=bench.num_envs, num_steps=bench.num_steps,
                      num_minibatches=bench.num_minibatches, total_timesteps=steps, eval_episodes=0,
-                     progress_bar=False)  # fmt: skip
+                     progress_bar=False, compile=compile)  # fmt: skip
     return train_and_summarize(ours, args)["mean_sps"]
 
 
@@ -107,6 +109,8 @@ def main() -> None:
     print(f"env raw {raw:.0f} wrapped {wrapped:.0f}", file=sys.stderr)
     sps_ours = run_ours(bench)
     print(f"ours {sps_ours:.0f}", file=sys.stderr)
+    sps_compiled = run_ours(bench, compile=True)
+    print(f"ours --compile {sps_compiled:.0f}", file=sys.stderr)
     sps_brax = run_brax_ppo(bench)
     print(f"brax {sps_brax:.0f}", file=sys.stderr)
     print(f"\n`python {' '.join(sys.argv)}` on {machine(jax)} (JAX on {jax.default_backend()}); "
@@ -119,6 +123,7 @@ def main() -> None:
     print(f"| {wrapper} | {wrapped:,.0f} | {wrapped / raw:.2f}x |")
     print(f"| Brax's JAX PPO training | {sps_brax:,.0f} | 1.00x |")
     print(f"| ppo_mujoco_brax.py training (torch policy) | {sps_ours:,.0f} | {sps_ours / sps_brax:.2f}x |")
+    print(f"| ppo_mujoco_brax.py --compile | {sps_compiled:,.0f} | {sps_compiled / sps_brax:.2f}x |")
 
 
 if __name__ == "__main__":

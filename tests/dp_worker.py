@@ -8,6 +8,7 @@
 4. `update` of ppo_atari_envpool.py and of ppo_mujoco_brax.py on this rank's half of a fixed batch.
 """
 
+import functools
 import os
 import sys
 
@@ -38,11 +39,14 @@ def update_batches() -> dict:
 
 def updated(name: str, batch) -> dict:
     """The weights after `update` (2 epochs, 1 minibatch, no advantage normalisation) on `batch`."""
-    mod = A if name == "atari" else B
     torch.manual_seed(0)
     agent = A.Agent(4) if name == "atari" else B.Agent(3, 2)
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    mod.update(agent, optimizer, batch, mod.Args(norm_adv=False, num_minibatches=1, update_epochs=2))
+    args = (A if name == "atari" else B).Args(norm_adv=False, num_minibatches=1, update_epochs=2)
+    if name == "atari":
+        A.update(agent, optimizer, batch, args)
+    else:  # Brax's update takes its gradient step as CartPole's does (eager here, or compiled with --compile)
+        B.update(functools.partial(B.gradient_step, agent, optimizer, B.ppo_loss, args), batch, args)
     return agent.state_dict()
 
 

@@ -102,6 +102,24 @@ def test_running_mean_std_matches_numpy_on_streamed_chunks():
     np.testing.assert_allclose(z.numpy(), (seen[:5] - seen.mean(0)) / seen.std(0), rtol=1e-4, atol=1e-4)
 
 
+def test_reward_scaler_scales_a_rollout_by_the_earlier_rollouts_statistics():
+    """A rollout's rewards are divided by the std of the discounted returns of the earlier rollouts (at first
+    the prior, 1), and its T x N returns join the statistics at its end: updated step by step, the first step
+    of a run (every env has the same return) gave a std near 0 and rewards scaled ~1000x."""
+    scaler = B.RewardScaler(num_envs=3, gamma=0.5, device="cpu")
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
+    dones = torch.tensor([[False, True, False], [False, False, False]])
+    first = torch.stack([scaler(reward, done) for reward, done in zip(rewards, dones)])
+    torch.testing.assert_close(first, rewards)  # the prior: variance 1
+    scaler.update()
+    returns = np.array([1.0, 2.0, 3.0, 0.5 * 1 + 1, 0 + 1, 0.5 * 3 + 1])  # env 1's return restarts after its end
+    prior, n = 1e-4, len(returns)  # RunningMeanStd's start: mean 0, variance 1, count 1e-4
+    var = (prior + returns.var() * n + returns.mean() ** 2 * prior * n / (prior + n)) / (prior + n)
+    np.testing.assert_allclose(scaler.return_rms.var.item(), var, rtol=1e-12)
+    second = scaler(torch.ones(3), torch.zeros(3, dtype=torch.bool))
+    torch.testing.assert_close(second, torch.full((3,), 1 / np.sqrt(var + 1e-8), dtype=torch.float32))
+
+
 def test_normaliser_is_saved_with_the_model():
     agent = B.Agent(4, 1)
     agent.obs_rms.update(torch.randn(100, 4) * 3 + 1)
@@ -117,7 +135,7 @@ def test_gaussian_logprob_and_entropy():
     with torch.no_grad():
         agent.actor_logstd.copy_(torch.tensor([-0.5, 0.0, 0.3]))
     obs, actions = torch.randn(7, 5), torch.randn(7, 3)
-    logprob, entropy, value = agent.evaluate(obs, actions)
+    logprob, entropy, value = agent(obs, actions)
     dist = torch.distributions.Normal(agent.actor_mean(obs), agent.actor_logstd.exp())
     torch.testing.assert_close(logprob, dist.log_prob(actions).sum(-1))
     torch.testing.assert_close(entropy, dist.entropy().sum(-1))

@@ -21,6 +21,9 @@ SHARED = ["Status", "write_video", "validate_run_flags", "available_cores", "par
 CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "Tanh", "mlp",
                    "Run", "Rollout", "RolloutNoise", "collect_rollout", "gradient_step", "functional_gradient_step",
                    "hot_phases"]  # fmt: skip
+# the PPO algorithm and the compiled gradient step, also in the Brax script (its env, agent and rollout differ)
+PPO_SHARED = ["layer_init", "Tanh", "mlp", "Batch", "compute_gae", "make_batch", "ppo_loss", "explained_variance",
+              "update", "gradient_step", "functional_gradient_step", "hot_phases"]  # fmt: skip
 
 
 def shared_part_of_run(mod) -> str:
@@ -34,6 +37,12 @@ def test_run_management_is_the_same_code_in_every_script(name):
     template, mod = import_script("ppo_cartpole_gpu"), import_script(name)
     assert shared_part_of_run(mod) == shared_part_of_run(template)
     for obj in SHARED:
+        assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
+
+
+def test_brax_carries_the_same_ppo_update():
+    template, mod = import_script("ppo_cartpole_gpu"), import_script("ppo_mujoco_brax")
+    for obj in PPO_SHARED:
         assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
 
 
