@@ -13,8 +13,11 @@ the two trainers may run side by side, one per core (below).
 Both trainers evaluate the final policy the same way: `eval-episodes` fresh episodes with the mean action.
 What cannot be matched: Brax's PPO has no running reward normalisation (ours: --norm-reward; Brax gets
 reward_scaling=1) and no linear learning-rate annealing (ours anneals to 0; Brax keeps it constant).
-Everything else maps one to one (see `brax_ppo_kwargs`). Our runs are separate processes with the script's
-own thread choice; their TensorBoard logs stay under `--logdir`.
+Truncation: ours bootstraps from the final observation; Brax's PPO leaves truncated steps out of its loss
+(its `bootstrap_on_timeout` needs an env-set `info["time_out"]`, which most envs lack and inverted_pendulum
+sets on every termination, pole falls included). Everything else maps one to one (see `brax_ppo_kwargs`).
+Our runs are separate processes with the script's own thread choice; their TensorBoard logs stay under
+`--logdir`.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def brax_ppo_kwargs(env_id: str, seed: int, bench: BenchArgs) -> dict:
         num_updates_per_batch=a.update_epochs, learning_rate=a.learning_rate, entropy_cost=a.ent_coef,
         discounting=a.gamma, gae_lambda=a.gae_lambda, clipping_epsilon=a.clip_coef, max_grad_norm=a.max_grad_norm,
         vf_loss_coefficient=a.vf_coef, normalize_advantage=a.norm_adv, normalize_observations=a.norm_obs,
-        bootstrap_on_timeout=True, reward_scaling=1.0, seed=seed, num_evals=bench.curve_points + 1,
+        bootstrap_on_timeout=False, reward_scaling=1.0, seed=seed, num_evals=bench.curve_points + 1,
         num_eval_envs=bench.eval_episodes, deterministic_eval=True,
         network_factory=functools.partial(ppo_networks.make_ppo_networks, policy_hidden_layer_sizes=(64, 64),
                                           value_hidden_layer_sizes=(64, 64)),

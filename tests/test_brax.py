@@ -242,10 +242,16 @@ def test_missing_brax_names_the_pip_command(tmp_path):
 
 @pytest.mark.learning
 def test_inverted_pendulum_is_learned(in_tmp):
-    """About 75 s on 2 CPU cores: the budget below, documented in README."""
+    """Seed 1, which stalled at a 100-episode mean of ~715 before the discount of 0.99 and the per-rollout
+    reward scaler, with the thread count main() picks at 256 envs (one: results depend on it)."""
     args = B.Args(env_id="inverted_pendulum", num_envs=256, total_timesteps=2_000_000, target_return=900.0,
-                  progress_bar=False, eval_episodes=16)  # fmt: skip
-    B.train(args)
+                  progress_bar=False, eval_episodes=16, seed=1)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        B.train(args)
+    finally:
+        torch.set_num_threads(threads)
     summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
     assert summary["status"] == "target return reached" and summary["mean_return_last_100"] >= 900, summary
     assert summary["eval_mean_return"] >= 900
