@@ -70,28 +70,46 @@ class BenchArgs:
     out: str = "benchmarks/logs/brax_learning_curves.png"
     """the curves PNG (README's figure lives in docs/: write there on purpose only)"""
     skip_ours: bool = False
-    """leave out ppo_mujoco_brax.py"""
+    """train no ppo_mujoco_brax.py runs (with --reuse, saved ones still count)"""
     skip_brax: bool = False
-    """leave out Brax's PPO"""
+    """train no Brax PPO runs (with --reuse, saved ones still count)"""
     reuse: bool = False
-    """take each run's result from `logdir` where a finished one is there (train only the missing ones): the
-    table and PNG of runs made one trainer at a time"""
+    """take each run's result from `logdir` where a finished one is there, and train only the missing ones;
+    with both --skip flags: the table and PNG of what is saved"""
+
+
+def our_runs(env_id: str, seed: int, bench: BenchArgs) -> list[str]:
+    """Summaries of finished ppo_mujoco_brax.py runs for (env, seed) in `logdir`, oldest first (the run
+    folders end in their start time)."""
+    return sorted(
+        glob.glob(os.path.join(bench.logdir, "runs", f"{env_id}__ppo_mujoco_brax__{seed}__*", "summary.json"))
+    )
+
+
+def saved(name: str, env_id: str, seed: int, bench: BenchArgs) -> dict | None:
+    """The newest saved result of trainer `name` for (env, seed), or None."""
+    if name == "ours":
+        for path in reversed(our_runs(env_id, seed, bench)):
+            with open(path) as f:
+                summary = json.load(f)
+            if summary["status"] == "completed":  # not a run stopped early (Ctrl-C, SIGTERM)
+                return summary | {"run": os.path.dirname(path)}
+        return None
+    path = os.path.join(bench.logdir, f"brax_ppo__{env_id}__{seed}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
 
 
 def run_ours(env_id: str, seed: int, bench: BenchArgs) -> dict:
-    """ppo_mujoco_brax.py on its defaults in a fresh process (with --reuse: the latest such run in `logdir`,
-    if any); returns its summary.json."""
+    """ppo_mujoco_brax.py on its defaults in a fresh process; returns its summary.json."""
     num_envs, steps = SETTINGS[env_id]
-    runs = os.path.join(bench.logdir, "runs")
-    done = sorted(glob.glob(os.path.join(runs, f"{env_id}__ppo_mujoco_brax__{seed}__*", "summary.json")))
-    if not (bench.reuse and done):
-        cmd = [sys.executable, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", env_id, "--backend", bench.backend,
-               "--num-envs", str(num_envs), "--total-timesteps", str(steps), "--seed", str(seed),
-               "--eval-episodes", str(bench.eval_episodes), "--no-progress-bar"]  # fmt: skip
-        subprocess.run(cmd, cwd=bench.logdir, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        done = sorted(glob.glob(os.path.join(runs, f"{env_id}__ppo_mujoco_brax__{seed}__*", "summary.json")))
-    with open(done[-1]) as f:  # run folders end in their start time: the last is the newest
-        return json.load(f) | {"run": os.path.dirname(done[-1])}
+    cmd = [sys.executable, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", env_id, "--backend", bench.backend,
+           "--num-envs", str(num_envs), "--total-timesteps", str(steps), "--seed", str(seed),
+           "--eval-episodes", str(bench.eval_episodes), "--no-progress-bar"]  # fmt: skip
+    subprocess.run(cmd, cwd=bench.logdir, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return saved("ours", env_id, seed, bench)
 
 
 def brax_ppo_kwargs(env_id: str, seed: int, bench: BenchArgs) -> dict:
@@ -113,14 +131,10 @@ def brax_ppo_kwargs(env_id: str, seed: int, bench: BenchArgs) -> dict:
 
 
 def run_brax(env_id: str, seed: int, bench: BenchArgs) -> dict:
-    """Brax's PPO in this process (with --reuse: its saved result, if any); returns its final evaluation and
-    curve, also saved as JSON in `logdir`."""
+    """Brax's PPO in this process; returns its final evaluation and curve, also saved as JSON in `logdir`."""
     from brax.training.agents.ppo import train as ppo
 
     path = os.path.join(bench.logdir, f"brax_ppo__{env_id}__{seed}.json")
-    if bench.reuse and os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
     curve = []
     ppo.train(environment=brax_envs.get_environment(env_id, backend=bench.backend),
               progress_fn=lambda step, metrics: curve.append((int(step), float(metrics["eval/episode_reward"]))),
@@ -181,8 +195,11 @@ def main() -> None:
         for seed in bench.seeds:
             results[env_id, seed] = {}
             for name, run in trainers.items():
-                if not getattr(bench, f"skip_{name}"):
-                    results[env_id, seed][name] = result = run(env_id, seed, bench)
+                result = saved(name, env_id, seed, bench) if bench.reuse else None
+                if result is None and not getattr(bench, f"skip_{name}"):
+                    result = run(env_id, seed, bench)
+                if result is not None:
+                    results[env_id, seed][name] = result
                     print(f"{env_id} seed {seed}: {name} {result['eval_mean_return']:.1f}", flush=True)
     plot(results, bench)
     print(f"\n`python {' '.join(sys.argv)}` on {machine(jax)}; {bench.backend} backend, our defaults for both "
@@ -196,6 +213,9 @@ def main() -> None:
             returns = [results[env_id, s][name]["eval_mean_return"] for s in bench.seeds if name in results[env_id, s]]
             cells[name] = (sum(returns) / len(returns), min(returns)) if returns else None
         text = {name: "-" if c is None else f"{c[0]:.1f} ({c[1]:.1f})" for name, c in cells.items()}
+        counts = {name: sum(name in results[env_id, s] for s in bench.seeds) for name in trainers}
+        if min(counts.values()) < len(bench.seeds):  # say so where some seeds are missing
+            text = {name: f"{t}, {counts[name]} seed{'s' * (counts[name] != 1)}" for name, t in text.items()}
         gap = "-" if None in cells.values() else f"{cells['ours'][0] - cells['brax'][0]:+.1f}"
         num_envs, steps = SETTINGS[env_id]
         print(f"| {env_id} | {num_envs} x {steps / 1e6:g}M | {text['ours']} | {text['brax']} | {gap} |")

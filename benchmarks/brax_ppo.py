@@ -35,8 +35,8 @@ class BenchArgs:
     """unroll length per PPO iteration"""
     num_minibatches: int = 32
     """minibatches per epoch (both trainers)"""
-    iterations: int = 4
-    """PPO iterations per trainer (after compilation)"""
+    iterations: int = 10
+    """PPO iterations per trainer (after compilation; fewer make the --compile row noisy)"""
     env_steps: int = 30
     """batched steps per env-rate measurement"""
 
