@@ -79,11 +79,16 @@ class BenchArgs:
 
 
 def our_runs(env_id: str, seed: int, bench: BenchArgs) -> list[str]:
-    """Summaries of finished ppo_mujoco_brax.py runs for (env, seed) in `logdir`, oldest first (the run
+    """summary.json of every ppo_mujoco_brax.py run for (env, seed) in `logdir`, oldest first (the run
     folders end in their start time)."""
     return sorted(
         glob.glob(os.path.join(bench.logdir, "runs", f"{env_id}__ppo_mujoco_brax__{seed}__*", "summary.json"))
     )
+
+
+def brax_result(env_id: str, seed: int, bench: BenchArgs) -> str:
+    """Where Brax's PPO result for (env, seed) is saved."""
+    return os.path.join(bench.logdir, f"brax_ppo__{env_id}__{seed}.json")
 
 
 def saved(name: str, env_id: str, seed: int, bench: BenchArgs) -> dict | None:
@@ -95,7 +100,7 @@ def saved(name: str, env_id: str, seed: int, bench: BenchArgs) -> dict | None:
             if summary["status"] == "completed":  # not a run stopped early (Ctrl-C, SIGTERM)
                 return summary | {"run": os.path.dirname(path)}
         return None
-    path = os.path.join(bench.logdir, f"brax_ppo__{env_id}__{seed}.json")
+    path = brax_result(env_id, seed, bench)
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
@@ -134,13 +139,12 @@ def run_brax(env_id: str, seed: int, bench: BenchArgs) -> dict:
     """Brax's PPO in this process; returns its final evaluation and curve, also saved as JSON in `logdir`."""
     from brax.training.agents.ppo import train as ppo
 
-    path = os.path.join(bench.logdir, f"brax_ppo__{env_id}__{seed}.json")
     curve = []
     ppo.train(environment=brax_envs.get_environment(env_id, backend=bench.backend),
               progress_fn=lambda step, metrics: curve.append((int(step), float(metrics["eval/episode_reward"]))),
               **brax_ppo_kwargs(env_id, seed, bench))  # fmt: skip
     result = {"eval_mean_return": curve[-1][1], "curve": curve}
-    with open(path, "w") as f:
+    with open(brax_result(env_id, seed, bench), "w") as f:
         json.dump(result, f)
     return result
 

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, import_script, read_json, run_script
+from conftest import (
+    ROOT,
+    SUMMARY_KEYS,
+    assert_one_error_line,
+    import_script,
+    read_json,
+    run_script,
+    train_with_mains_threads,
+)
 
 B = import_script("ppo_mujoco_brax")
 
@@ -246,12 +254,7 @@ def test_inverted_pendulum_is_learned(in_tmp):
     reward scaler, with the thread count main() picks at 256 envs (one: results depend on it)."""
     args = B.Args(env_id="inverted_pendulum", num_envs=256, total_timesteps=2_000_000, target_return=900.0,
                   progress_bar=False, eval_episodes=16, seed=1)  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        B.train(args)
-    finally:
-        torch.set_num_threads(threads)
+    train_with_mains_threads(B, args)
     summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
     assert summary["status"] == "target return reached" and summary["mean_return_last_100"] >= 900, summary
     assert summary["eval_mean_return"] >= 900
