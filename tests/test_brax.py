@@ -18,7 +18,6 @@ from conftest import (
     import_script,
     read_json,
     run_script,
-    train_with_mains_threads,
 )
 
 B = import_script("ppo_mujoco_brax")
@@ -248,16 +247,48 @@ def test_missing_brax_names_the_pip_command(tmp_path):
     assert result.stderr.strip() == message
 
 
+# the issue's bar for robust learning (README "Across seeds"): reach a 100-episode mean of 900 within 2M steps
+PENDULUM = ["--env-id", "inverted_pendulum", "--num-envs", "256", "--total-timesteps", "2000000",
+            "--target-return", "900", "--eval-episodes", "16", "--no-progress-bar"]  # fmt: skip
+
+
+def assert_pendulum_learned(tmp_path, batches: list[list[tuple[int, int]]], allowed_failures: int = 0) -> None:
+    """Train each (seed, torch threads) of a batch in its own process, the batch's runs at once and the batches one
+    after another; all but `allowed_failures` runs must reach the target and score >= 900 with the mean action.
+    Results depend on the thread count (float reduction order), so it is set, not left to the machine."""
+    failed = []
+    for batch in batches:
+        running = []
+        for seed, threads in batch:
+            flags = [*PENDULUM, "--seed", str(seed), "--torch-threads", str(threads), "--exp-name", f"t{threads}"]
+            log = open(tmp_path / f"t{threads}_{seed}.log", "w")
+            cmd = [sys.executable, os.path.join(ROOT, "ppo_mujoco_brax.py"), *flags]
+            running.append((seed, threads, log, subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=log)))
+        for seed, threads, log, process in running:
+            assert process.wait(timeout=3600) == 0, (tmp_path / f"t{threads}_{seed}.log").read_text()
+            log.close()
+            summary = read_json(glob.glob(str(tmp_path / "runs" / f"*__t{threads}__{seed}__*" / "summary.json"))[0])
+            if summary["status"] != "target return reached" or summary["eval_mean_return"] < 900:
+                failed.append((seed, threads, summary["mean_return_last_100"], summary["eval_mean_return"]))
+    assert len(failed) <= allowed_failures, (
+        f"(seed, threads, 100-episode mean, evaluation) of the failed runs: {failed}"
+    )
+
+
 @pytest.mark.learning
-def test_inverted_pendulum_is_learned(in_tmp):
-    """Seed 1, which stalled at a 100-episode mean of ~715 before the discount of 0.99 and the per-rollout
-    reward scaler, with the thread count main() picks at 256 envs (one: results depend on it)."""
-    args = B.Args(env_id="inverted_pendulum", num_envs=256, total_timesteps=2_000_000, target_return=900.0,
-                  progress_bar=False, eval_episodes=16, seed=1)  # fmt: skip
-    train_with_mains_threads(B, args)
-    summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
-    assert summary["status"] == "target return reached" and summary["mean_return_last_100"] >= 900, summary
-    assert summary["eval_mean_return"] >= 900
+def test_inverted_pendulum_is_learned_on_two_seeds(tmp_path):
+    """Seeds 1 and 2 at once with one thread each (main's choice at 256 envs): the time of one run on two cores.
+    Seed 1 stalled at a 100-episode mean of ~715 before the discount of 0.99 and the per-rollout reward scaler."""
+    assert_pendulum_learned(tmp_path, [[(1, 1), (2, 1)]])
+
+
+@pytest.mark.slow
+def test_inverted_pendulum_is_learned_on_five_seeds_with_one_and_two_threads(tmp_path):
+    """Seeds 1-5, each with one and with two torch threads (about 40 minutes on 2 cores). The target is all ten;
+    with today's defaults seed 2 with two threads falls short (462 at 2M steps, README "Across seeds"), so this
+    asserts at least nine: a second failure (a regression in robustness) fails it."""
+    one_thread = [[(1, 1), (2, 1)], [(3, 1), (4, 1)], [(5, 1)]]
+    assert_pendulum_learned(tmp_path, one_thread + [[(seed, 2)] for seed in range(1, 6)], allowed_failures=1)
 
 
 def test_start_up_prints_nothing_that_is_not_the_users_business():
