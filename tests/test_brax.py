@@ -284,7 +284,7 @@ def test_inverted_pendulum_is_learned_on_two_seeds(tmp_path):
 
 @pytest.mark.slow
 def test_inverted_pendulum_is_learned_on_five_seeds_with_one_and_two_threads(tmp_path):
-    """Seeds 1-5, each with one and with two torch threads (about 40 minutes on 2 cores). The target is all ten;
+    """Seeds 1-5, each with one and with two torch threads (32 minutes on 2 cores). The target is all ten;
     with today's defaults seed 2 with two threads falls short (462 at 2M steps, README "Across seeds"), so this
     asserts at least nine: a second failure (a regression in robustness) fails it."""
     one_thread = [[(1, 1), (2, 1)], [(3, 1), (4, 1)], [(5, 1)]]
