@@ -64,17 +64,6 @@ def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> 
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
-def train_with_mains_threads(module, args):
-    """`module.train(args)` with the thread count the script's main() picks for `args.num_envs` (one below
-    THREADED_FROM_ENVS, else all cores, up to 2 here): learning results depend on it. The count is restored."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1) if args.num_envs >= module.THREADED_FROM_ENVS else 1)
-    try:
-        return module.train(args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def read_json(path) -> dict:
     """A JSON file's content, the file closed again (a bare json.load(open(...)) leaks it until collected)."""
     with open(path) as f:

@@ -11,14 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (
-    ROOT,
-    SUMMARY_KEYS,
-    assert_one_error_line,
-    import_script,
-    read_json,
-    run_script,
-)
+from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, import_script, read_json, run_script
 
 B = import_script("ppo_mujoco_brax")
 
@@ -261,12 +254,12 @@ def assert_pendulum_learned(tmp_path, batches: list[list[tuple[int, int]]], allo
         running = []
         for seed, threads in batch:
             flags = [*PENDULUM, "--seed", str(seed), "--torch-threads", str(threads), "--exp-name", f"t{threads}"]
-            log = open(tmp_path / f"t{threads}_{seed}.log", "w")
+            log = tmp_path / f"t{threads}_{seed}.log"
             cmd = [sys.executable, os.path.join(ROOT, "ppo_mujoco_brax.py"), *flags]
-            running.append((seed, threads, log, subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=log)))
+            with open(log, "w") as out:  # the child keeps its own copy of the file descriptor
+                running.append((seed, threads, log, subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=out)))
         for seed, threads, log, process in running:
-            assert process.wait(timeout=3600) == 0, (tmp_path / f"t{threads}_{seed}.log").read_text()
-            log.close()
+            assert process.wait(timeout=3600) == 0, log.read_text()
             summary = read_json(glob.glob(str(tmp_path / "runs" / f"*__t{threads}__{seed}__*" / "summary.json"))[0])
             if summary["status"] != "target return reached" or summary["eval_mean_return"] < 900:
                 failed.append((seed, threads, summary["mean_return_last_100"], summary["eval_mean_return"]))

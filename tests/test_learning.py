@@ -2,11 +2,13 @@
 
 import glob
 import importlib
+import os
 
 import pytest
+import torch
 
 import ppo_cartpole_gpu as P
-from conftest import read_json, train_with_mains_threads
+from conftest import read_json
 
 # env steps within which the defaults must reach a 100-episode mean of 475, for seeds 1-3 each: about 3x what
 # `benchmarks/cartpole.py --seeds 1-10` measured (2-core AMD EPYC, one thread: PPO 10/10 seeds, <= 0.12M; VPG 10/10,
@@ -15,7 +17,14 @@ BUDGET = {"ppo_cartpole_gpu": 400_000, "vpg": 1_500_000, "reinforce": 2_500_000}
 
 
 def solve(module, in_tmp, **overrides) -> dict:
-    train_with_mains_threads(module, module.Args(device="cpu", progress_bar=False, **overrides))
+    """Train with the thread count the script's main() picks for these envs (results depend on it), up to 2."""
+    args = module.Args(device="cpu", progress_bar=False, **overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1) if args.num_envs >= module.THREADED_FROM_ENVS else 1)
+    try:
+        module.train(args)
+    finally:
+        torch.set_num_threads(threads)
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
     return read_json(path)
 
