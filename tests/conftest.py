@@ -1,4 +1,6 @@
+import contextlib
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -55,6 +57,30 @@ def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=No
     return subprocess.run(
         cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
+
+
+def call_main(script: str, *flags, cwd) -> subprocess.CompletedProcess:
+    """`python <script>.py <flags>` in this process: the script's main() with sys.argv set, in `cwd`; its exit code and
+    what it printed, as run_script returns them (an interpreter start-up, ~3 s on a 2-core CI machine, saved per call).
+    An exception main() lets through fails the test; run_script covers the fresh interpreter."""
+    module = import_script(script)
+    out, err = io.StringIO(), io.StringIO()
+    argv, here, threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    command, code = [os.path.join(ROOT, script + ".py"), *flags], 0
+    sys.argv = command
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module.main()
+    except SystemExit as e:
+        if isinstance(e.code, str):  # sys.exit("error: ..."): Python prints the message and exits with 1
+            err.write(e.code + "\n")
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+        torch.set_num_threads(threads)  # main sets the process's thread count
+    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> None:

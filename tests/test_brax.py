@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, import_script, read_json, run_script
+from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, call_main, import_script, read_json, run_script
 
 B = import_script("ppo_mujoco_brax")
 
@@ -75,10 +75,10 @@ def test_jax_starts_after_its_environment_variables():
 
 
 def test_termination_is_not_truncation():
-    env = B.BraxVecEnv("inverted_pendulum", "spring", 2, 1000, "cpu", seed=0)
+    env = B.BraxVecEnv("inverted_pendulum", "spring", 16, 1000, "cpu", seed=0)  # as test_smoke_run's: one compilation
     env.reset()
     for _ in range(200):  # full force one way: the pole falls long before the time limit
-        obs, reward, terminated, truncated, info = env.step(torch.ones(2, 1))
+        obs, reward, terminated, truncated, info = env.step(torch.ones(16, 1))
         if terminated.any():
             break
     assert terminated.all() and not truncated.any() and torch.all(info["episode_length"] < 1000)
@@ -196,16 +196,18 @@ def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, mon
     assert uploaded == (expected if mp4 else [])
 
 
-@pytest.mark.parametrize("env_id", ["inverted_pendulum", "ant"])
-def test_smoke_run(env_id, tmp_path):
-    result = run_script("ppo_mujoco_brax", "--env-id", env_id, "--num-envs", "32", "--num-steps", "10",
-                        "--num-minibatches", "4", "--total-timesteps", "3200", "--eval-episodes", "2",
-                        "--no-progress-bar", "--save-model", cwd=tmp_path)  # fmt: skip
+@pytest.mark.parametrize("env_id, runner", [("inverted_pendulum", call_main), ("ant", run_script)])
+def test_smoke_run(env_id, runner, tmp_path):
+    """The pendulum's in this process, on the 16 envs whose compiled step the other tests reuse; ant (8-dim actions)
+    from a fresh interpreter."""
+    result = runner("ppo_mujoco_brax", "--env-id", env_id, "--num-envs", "16", "--num-steps", "10",
+                    "--num-minibatches", "4", "--total-timesteps", "1600", "--eval-episodes", "2",
+                    "--no-progress-bar", "--save-model", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / f"{env_id}__ppo_mujoco_brax__1__*"))
     summary = read_json(os.path.join(run_dir, "summary.json"))
     assert set(summary) == SUMMARY_KEYS and summary["args"]["backend"] == "spring"
-    assert summary["status"] == "completed" and summary["total_env_steps"] == 3200 and summary["mean_sps"] > 0
+    assert summary["status"] == "completed" and summary["total_env_steps"] == 1600 and summary["mean_sps"] > 0
     assert len(summary["eval_returns"]) == 2 and glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     state = torch.load(os.path.join(tmp_path, summary["model_path"]))
     assert "obs_rms.mean" in state
@@ -224,7 +226,7 @@ def test_smoke_run(env_id, tmp_path):
     ],
 )
 def test_bad_flags_give_one_clear_line(flags, message, tmp_path):
-    assert_one_error_line(run_script("ppo_mujoco_brax", *flags, cwd=tmp_path, timeout=120), message)
+    assert_one_error_line(call_main("ppo_mujoco_brax", *flags, cwd=tmp_path), message)
 
 
 @pytest.mark.parametrize("flags", [dict(env_id="cartpole"), dict(backend="physx")])

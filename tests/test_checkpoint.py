@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, SCRIPTS, assert_one_error_line, import_script, read_json, run_script
+from conftest import ROOT, SCRIPTS, assert_one_error_line, call_main, import_script, read_json, run_script
 
 
 def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -79,9 +79,11 @@ def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 120
-    while time.time() < deadline and not glob.glob(str(tmp_path / "runs" / "*" / "events.*")):
-        time.sleep(0.2)
-    time.sleep(3)  # a few iterations in
+    while time.time() < deadline:  # until an iteration is logged: training has begun (a busy machine takes longer)
+        runs = glob.glob(str(tmp_path / "runs" / "*"))
+        if runs and "charts/episodic_return" in scalars(runs[0]):
+            break
+        time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
@@ -123,15 +125,16 @@ P.train(P.Args(num_envs=32, num_steps=16, total_timesteps=32 * 16 * 10, checkpoi
 def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
     """--eval-only on the saved model (or the checkpoint) scores the same episodes as the training run's own
     evaluation, and its video has one frame per evaluated step (CartPole pays 1 a step: the longest return)."""
-    train = run_script(script, "--total-timesteps", "20000", "--num-envs", "32", "--save-model", "--eval-episodes",
-                       "4", "--exp-name", "trained", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+    train = call_main(script, "--total-timesteps", "20000", "--num-envs", "32", "--save-model", "--eval-episodes",
+                      "4", "--exp-name", "trained", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
     assert train.returncode == 0, train.stderr
     trained = read_json(os.path.join(run_dir(tmp_path, "trained"), "summary.json"))
     for model, name in ((trained["model_path"], "from_model"), (os.path.join(run_dir(tmp_path, "trained")), "")):
         if not name:  # a run folder's checkpoint
             model, name = os.path.join(model, "checkpoint.pt"), "from_checkpoint"
-        result = run_script(script, "--eval-only", "--load-model", model, "--eval-episodes", "4", "--capture-video",
-                            "--exp-name", name, "--num-envs", "32", cwd=tmp_path)  # fmt: skip
+        runner = run_script if name == "from_model" else call_main  # a fresh interpreter once
+        result = runner(script, "--eval-only", "--load-model", model, "--eval-episodes", "4", "--capture-video",
+                        "--exp-name", name, "--num-envs", "32", cwd=tmp_path)  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip().splitlines()[-1].startswith(f"evaluated {model}: mean return")
         summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
@@ -143,8 +146,8 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
 
 
 def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
-    trained = run_script("ppo_cartpole_gpu", "--total-timesteps", "4096", "--num-envs", "32", "--save-model",
-                         "--eval-episodes", "0", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+    trained = call_main("ppo_cartpole_gpu", "--total-timesteps", "4096", "--num-envs", "32", "--save-model",
+                        "--eval-episodes", "0", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
     assert trained.returncode == 0, trained.stderr
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)}
@@ -161,7 +164,7 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
         ("reinforce", ["--eval-only", "--load-model", model], f"--load-model {model} does not fit this agent"),
         ("ppo_cartpole_gpu", ["--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
     ):  # fmt: skip
-        assert_one_error_line(run_script(script, *flags, cwd=tmp_path, timeout=120), message)
+        assert_one_error_line(call_main(script, *flags, cwd=tmp_path), message)
     assert glob.glob(str(tmp_path / "runs" / "*")) == [folder]  # no new run folder
     assert {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)} == before  # nothing rewritten
 

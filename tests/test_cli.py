@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ppo_cartpole_gpu as P
-from conftest import ROOT, SCRIPTS, SUMMARY_KEYS, assert_one_error_line, read_json, run_script
+from conftest import ROOT, SCRIPTS, SUMMARY_KEYS, assert_one_error_line, call_main, read_json, run_script
 from probes import Probe1
 
 COMMON_TAGS = {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -104,9 +104,15 @@ SCRIPT_BAD_FLAGS = [
     [(script, f, m) for script in SCRIPTS for f, m in COMMON_BAD_FLAGS] + SCRIPT_BAD_FLAGS,
 )
 def test_bad_flags_give_one_clear_line(script, flags, message, tmp_path):
-    result = run_script(script, *flags, cwd=tmp_path, timeout=60)
-    assert_one_error_line(result, message)
+    assert_one_error_line(call_main(script, *flags, cwd=tmp_path), message)
     assert not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_bad_flag_is_one_line_from_a_fresh_interpreter(script, tmp_path):
+    """As above, run as `python script.py`: nothing else reaches stderr, the imports' output included."""
+    result = run_script(script, "--num-envs", "0", cwd=tmp_path, timeout=60)
+    assert_one_error_line(result, "--num-envs must be positive")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
