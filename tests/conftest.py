@@ -1,10 +1,12 @@
 import contextlib
+import glob
 import importlib
 import io
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -94,3 +96,20 @@ def read_json(path) -> dict:
     """A JSON file's content, the file closed again (a bare json.load(open(...)) leaks it until collected)."""
     with open(path) as f:
         return json.load(f)
+
+
+def wait_for_an_iteration(root, timeout: float = 180) -> None:
+    """Wait until a run under `root`/runs has logged an iteration (charts/SPS): its set-up is over and its signal
+    handlers are in place. (A fixed 3 s after the events file appeared was too short on a busy machine: the signal
+    came during the set-up.)"""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for run in glob.glob(os.path.join(str(root), "runs", "*")):
+            events = EventAccumulator(run)
+            events.Reload()
+            if "charts/SPS" in events.Tags()["scalars"]:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"no iteration logged under {root} within {timeout} s")

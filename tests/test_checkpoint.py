@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import imageio_ffmpeg
@@ -13,14 +12,25 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, SCRIPTS, assert_one_error_line, call_main, import_script, read_json, run_script
+from conftest import (
+    ROOT,
+    SCRIPTS,
+    assert_one_error_line,
+    call_main,
+    import_script,
+    read_json,
+    run_script,
+    wait_for_an_iteration,
+)
 
 
 def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar the run folder's event files hold, SPS aside (a clock, not a result), by tag."""
+    """Every scalar the run folder's event files hold, SPS aside (a clock, not a result), by tag, in step order:
+    the files are read in name order, and two writers of one process in the same second are told apart by a
+    counter that sorts as text (".10" before ".9"), so a resumed run's events can come first."""
     events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]
             if tag != "charts/SPS"}  # fmt: skip
 
 
@@ -78,12 +88,7 @@ def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
              "--no-progress-bar", "--num-envs", "32"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.time() + 120
-    while time.time() < deadline:  # until an iteration is logged: training has begun (a busy machine takes longer)
-        runs = glob.glob(str(tmp_path / "runs" / "*"))
-        if runs and "charts/episodic_return" in scalars(runs[0]):
-            break
-        time.sleep(0.5)
+    wait_for_an_iteration(tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err

@@ -6,13 +6,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import ppo_cartpole_gpu as P
-from conftest import ROOT, SCRIPTS, SUMMARY_KEYS, assert_one_error_line, call_main, read_json, run_script
+from conftest import (
+    ROOT,
+    SCRIPTS,
+    SUMMARY_KEYS,
+    assert_one_error_line,
+    call_main,
+    read_json,
+    run_script,
+    wait_for_an_iteration,
+)
 from probes import Probe1
 
 COMMON_TAGS = {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -128,12 +136,7 @@ def test_ctrl_c_writes_summary_and_model(script, tmp_path):
     flags = ["--total-timesteps", "100000000", "--save-model", "--target-return", "None", "--no-progress-bar"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script + ".py"), *flags], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.time() + 180
-    while time.time() < deadline:  # until the first iterations are logged
-        runs = glob.glob(str(tmp_path / "runs" / "*"))
-        if runs and "charts/SPS" in scalar_tags(runs[0]):
-            break
-        time.sleep(0.5)
+    wait_for_an_iteration(tmp_path)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr

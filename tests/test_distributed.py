@@ -5,13 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from dp_worker import fixed_batch, update_batches, updated
 
-from conftest import ROOT, import_script, read_json
+from conftest import ROOT, import_script, read_json, wait_for_an_iteration
 
 P = import_script("ppo_cartpole_gpu")
 
@@ -140,10 +139,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     flags = ["--total-timesteps", "100000000", "--target-return", "None", "--no-progress-bar", "--num-envs", "32"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *flags]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not glob.glob(str(tmp_path / "runs" / "*" / "events.*")):
-        time.sleep(0.2)
-    time.sleep(3)  # some iterations in
+    wait_for_an_iteration(tmp_path)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert "interrupted by SIGINT: a checkpoint" in err, err[-3000:]
