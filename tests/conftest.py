@@ -98,18 +98,22 @@ def read_json(path) -> dict:
         return json.load(f)
 
 
+def scalar_tags(run_dir: str) -> set[str]:
+    """The tags of the scalars a run folder's event files hold so far."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir)
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
 def wait_for_an_iteration(root, timeout: float = 180) -> None:
     """Wait until a run under `root`/runs has logged an iteration (charts/SPS): its set-up is over and its signal
     handlers are in place. (A fixed 3 s after the events file appeared was too short on a busy machine: the signal
     came during the set-up.)"""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for run in glob.glob(os.path.join(str(root), "runs", "*")):
-            events = EventAccumulator(run)
-            events.Reload()
-            if "charts/SPS" in events.Tags()["scalars"]:
-                return
+        if any("charts/SPS" in scalar_tags(run) for run in glob.glob(os.path.join(str(root), "runs", "*"))):
+            return
         time.sleep(0.5)
     raise AssertionError(f"no iteration logged under {root} within {timeout} s")

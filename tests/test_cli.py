@@ -19,6 +19,7 @@ from conftest import (
     call_main,
     read_json,
     run_script,
+    scalar_tags,
     wait_for_an_iteration,
 )
 from probes import Probe1
@@ -36,14 +37,6 @@ def only_run_dir(root) -> str:
     runs = glob.glob(os.path.join(root, "runs", "*"))
     assert len(runs) == 1, runs
     return runs[0]
-
-
-def scalar_tags(run_dir: str) -> set[str]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir)
-    acc.Reload()
-    return set(acc.Tags()["scalars"])
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
