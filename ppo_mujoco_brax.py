@@ -30,7 +30,7 @@ The update (Schulman et al. 2017; CleanRL's continuous-action details):
     L_V     = ½ E[(V_θ(s_t) - R_t)²],  R_t = Â_t + V_old(s_t)      (--clip-vloss: clipped around V_old as in PPO2)
     L       = L_clip - c_ent H[π_θ] + c_vf L_V
 Defaults follow Brax's own PPO settings for many parallel envs (short unrolls, large batches,
-γ = 0.97, 4 epochs, 32 minibatches, ε = 0.3, lr 3e-4, no value clipping).
+4 epochs, 32 minibatches, ε = 0.3, lr 3e-4, no value clipping), with CleanRL's γ = 0.99.
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ class BenchArgs:
     """our runs' folders and Brax's curves (JSON) go here"""
     out: str = "benchmarks/logs/brax_learning_curves.png"
     """the curves PNG (README's figure lives in docs/: write there on purpose only)"""
+    torch_threads: int = 0
+    """our runs' --torch-threads (0: the script's choice, one thread below 1024 envs and every core from
+    there; 1 lets two of these benchmarks share two cores)"""
     skip_ours: bool = False
     """train no ppo_mujoco_brax.py runs (with --reuse, saved ones still count)"""
     skip_brax: bool = False
@@ -112,7 +115,8 @@ def run_ours(env_id: str, seed: int, bench: BenchArgs) -> dict:
     num_envs, steps = SETTINGS[env_id]
     cmd = [sys.executable, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", env_id, "--backend", bench.backend,
            "--num-envs", str(num_envs), "--total-timesteps", str(steps), "--seed", str(seed),
-           "--eval-episodes", str(bench.eval_episodes), "--no-progress-bar"]  # fmt: skip
+           "--eval-episodes", str(bench.eval_episodes), "--torch-threads", str(bench.torch_threads),
+           "--no-progress-bar"]  # fmt: skip
     subprocess.run(cmd, cwd=bench.logdir, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return saved("ours", env_id, seed, bench)
 
