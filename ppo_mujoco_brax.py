@@ -23,7 +23,8 @@ a CPU here); `generalized` is the most faithful to MuJoCo, `positional` and `mjx
 
 The update (Schulman et al. 2017; CleanRL's continuous-action details):
     π_θ(a|s) = N(μ_θ(s), diag(exp(log σ)²)),  log σ a learned state-independent vector
-    s is normalised by a running mean/std, r scaled by a running std of the discounted return
+    s normalised by a running mean/std (--norm-obs auto: not on the pendulums and hopper), r scaled by a
+      running std of the discounted return
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)         s'_t: the real next state, also when
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}                       the episode was cut by the time limit
     L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ],  r_t(θ) = π_θ(a_t|s_t) / π_θold(a_t|s_t)
@@ -68,6 +69,9 @@ import tyro
 EnvId = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid", "inverted_pendulum", "inverted_double_pendulum",
                 "reacher", "pusher"]  # fmt: skip
 Backend = Literal["spring", "positional", "generalized", "mjx"]
+NormObs = Literal["auto", "on", "off"]
+# where raw observations learned better than normalised ones (README: "Observation normalisation")
+RAW_OBS_ENVS = ("inverted_pendulum", "inverted_double_pendulum", "hopper")
 
 
 @dataclass
@@ -102,8 +106,9 @@ class Args:
     """epochs over each rollout"""
     norm_adv: bool = True
     """normalise advantages per minibatch"""
-    norm_obs: bool = True
-    """normalise observations with a running mean and std (kept with the model)"""
+    norm_obs: NormObs = "auto"
+    """normalise observations with a running mean and std (kept with the model); auto: off for
+    inverted_pendulum, inverted_double_pendulum and hopper, where raw observations learned better, on elsewhere"""
     norm_reward: bool = True
     """scale rewards by a running std of the discounted return"""
     clip_coef: float = 0.3
@@ -354,6 +359,13 @@ def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     )  # fmt: skip
 
 
+def normalises_obs(args: Args) -> bool:
+    """--norm-obs resolved: `auto` is off on RAW_OBS_ENVS. There the statistics move a lot as the policy
+    improves (inverted_pendulum: the cart position's std grows ~7x after the first rollouts), shifting the
+    inputs of a policy that PPO's clipping otherwise keeps close to the last one."""
+    return args.norm_obs == "on" or (args.norm_obs == "auto" and args.env_id not in RAW_OBS_ENVS)
+
+
 class Agent(nn.Module):
     """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation
     statistics. The networks take normalised observations: `normalize` them first."""
@@ -564,7 +576,7 @@ def train(args: Args) -> Agent:
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
         envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + run.rank)
-        agent = Agent(envs.obs_dim, envs.action_dim, norm_obs=args.norm_obs).to(device)  # rank 0's, see run.start
+        agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)  # rank 0's, see run.start
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
         rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
@@ -1103,7 +1115,11 @@ def validate(args: Args) -> torch.device:
     ):
         if not (ok and math.isfinite(getattr(args, name) or 0.0)):
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    for flag, value, choice in (("env-id", args.env_id, EnvId), ("backend", args.backend, Backend)):
+    for flag, value, choice in (
+        ("env-id", args.env_id, EnvId),
+        ("backend", args.backend, Backend),
+        ("norm-obs", args.norm_obs, NormObs),
+    ):
         if value not in get_args(choice):  # tyro checks the command line; Args(...) built in code come here unchecked
             raise UsageError(f"unknown --{flag} {value!r}; choose one of {', '.join(get_args(choice))}")
     import_brax()

@@ -9,15 +9,17 @@ the two trainers may run side by side, one per core (below).
     python benchmarks/brax_learning.py --skip-ours & python benchmarks/brax_learning.py --skip-brax; \
         python benchmarks/brax_learning.py --reuse                 # both at once, then the table and PNG
     python benchmarks/brax_learning.py --out docs/brax_learning_curves.png    # replace README's figure
+    python benchmarks/brax_learning.py --norm-obs on --logdir benchmarks/logs/brax_norm   # both normalising
 
 Both trainers evaluate the final policy the same way: `eval-episodes` fresh episodes with the mean action.
 What cannot be matched: Brax's PPO has no running reward normalisation (ours: --norm-reward; Brax gets
 reward_scaling=1) and no linear learning-rate annealing (ours anneals to 0; Brax keeps it constant).
 Truncation: ours bootstraps from the final observation; Brax's PPO leaves truncated steps out of its loss
 (its `bootstrap_on_timeout` needs an env-set `info["time_out"]`, which most envs lack and inverted_pendulum
-sets on every termination, pole falls included). Everything else maps one to one (see `brax_ppo_kwargs`).
-Our runs are separate processes with the script's own thread choice; their TensorBoard logs stay under
-`--logdir`.
+sets on every termination, pole falls included). Everything else maps one to one (see `brax_ppo_kwargs`),
+observation normalisation included (our --norm-obs auto: off on the pendulums and hopper). Our runs are
+separate processes with the script's own thread choice unless --torch-threads; their TensorBoard logs stay
+under `--logdir`.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class BenchArgs:
     """our runs' folders and Brax's curves (JSON) go here"""
     out: str = "benchmarks/logs/brax_learning_curves.png"
     """the curves PNG (README's figure lives in docs/: write there on purpose only)"""
+    norm_obs: ours.NormObs = "auto"
+    """observation normalisation for both trainers (ours: --norm-obs; Brax's: normalize_observations);
+    auto: as our default, per env"""
     torch_threads: int = 0
     """our runs' --torch-threads (0: the script's choice, one thread below 1024 envs and every core from
     there; 1 lets two of these benchmarks share two cores)"""
@@ -116,14 +121,14 @@ def run_ours(env_id: str, seed: int, bench: BenchArgs) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", env_id, "--backend", bench.backend,
            "--num-envs", str(num_envs), "--total-timesteps", str(steps), "--seed", str(seed),
            "--eval-episodes", str(bench.eval_episodes), "--torch-threads", str(bench.torch_threads),
-           "--no-progress-bar"]  # fmt: skip
+           "--norm-obs", bench.norm_obs, "--no-progress-bar"]  # fmt: skip
     subprocess.run(cmd, cwd=bench.logdir, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return saved("ours", env_id, seed, bench)
 
 
 def brax_ppo_kwargs(env_id: str, seed: int, bench: BenchArgs) -> dict:
     """Brax's PPO with our defaults (ours.Args) where the two have the same knob."""
-    a, (num_envs, steps) = ours.Args(), SETTINGS[env_id]
+    a, (num_envs, steps) = ours.Args(env_id=env_id, norm_obs=bench.norm_obs), SETTINGS[env_id]
     from brax.training.agents.ppo import networks as ppo_networks
 
     return dict(
@@ -131,7 +136,7 @@ def brax_ppo_kwargs(env_id: str, seed: int, bench: BenchArgs) -> dict:
         batch_size=num_envs // a.num_minibatches, num_minibatches=a.num_minibatches,  # num_envs*T/minibatches rows
         num_updates_per_batch=a.update_epochs, learning_rate=a.learning_rate, entropy_cost=a.ent_coef,
         discounting=a.gamma, gae_lambda=a.gae_lambda, clipping_epsilon=a.clip_coef, max_grad_norm=a.max_grad_norm,
-        vf_loss_coefficient=a.vf_coef, normalize_advantage=a.norm_adv, normalize_observations=a.norm_obs,
+        vf_loss_coefficient=a.vf_coef, normalize_advantage=a.norm_adv, normalize_observations=ours.normalises_obs(a),
         bootstrap_on_timeout=False, reward_scaling=1.0, seed=seed, num_evals=bench.curve_points + 1,
         num_eval_envs=bench.eval_episodes, deterministic_eval=True,
         network_factory=functools.partial(ppo_networks.make_ppo_networks, policy_hidden_layer_sizes=(64, 64),

@@ -228,7 +228,7 @@ def test_atari_resume_restores_agent_and_optimizer(in_tmp, monkeypatch):
 
 def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tmp, monkeypatch):
     B = import_script("ppo_mujoco_brax")
-    args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4,
+    args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
                   total_timesteps=16 * 10 * 2, progress_bar=False, eval_episodes=0, device="cpu")  # fmt: skip
     saved, run = restored_state(B, args, monkeypatch)
     assert saved["iteration"] == run.iteration == 2

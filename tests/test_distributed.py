@@ -96,7 +96,7 @@ def test_observation_statistics_cover_all_ranks(worker_outputs):
 @pytest.mark.parametrize("script, flags", [
     ("ppo_atari_envpool", ["--num-envs", "4", "--total-timesteps", "1024", "--async-envs", "--save-model"]),
     ("ppo_mujoco_brax", ["--env-id", "inverted_pendulum", "--num-envs", "16", "--num-steps", "8",
-                         "--total-timesteps", "1024", "--save-model"]),
+                         "--total-timesteps", "1024", "--save-model", "--norm-obs", "on"]),
 ])  # fmt: skip
 def test_short_atari_and_brax_runs_under_torchrun(tmp_path, script, flags):
     import_script(script)  # skips where the simulator is not installed
