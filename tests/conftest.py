@@ -107,13 +107,18 @@ def scalar_tags(run_dir: str) -> set[str]:
     return set(events.Tags()["scalars"])
 
 
-def wait_for_an_iteration(root, timeout: float = 180) -> None:
-    """Wait until a run under `root`/runs has logged an iteration (charts/SPS): its set-up is over and its signal
-    handlers are in place. (A fixed 3 s after the events file appeared was too short on a busy machine: the signal
-    came during the set-up.)"""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any("charts/SPS" in scalar_tags(run) for run in glob.glob(os.path.join(str(root), "runs", "*"))):
-            return
+def interrupt_after_an_iteration(command: list, cwd, sig: int, env=None, timeout: float = 60):
+    """Start `command` in `cwd`, wait until its run under `cwd`/runs has logged an iteration (charts/SPS: its set-up
+    is over and its signal handlers are in place), send it `sig` and return how it ended (a CompletedProcess). A
+    fixed 3 s after the events file appeared was too short on a busy machine: the signal came during the set-up."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not any("charts/SPS" in scalar_tags(run) for run in glob.glob(os.path.join(str(cwd), "runs", "*"))):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"no iteration logged under {cwd} (exit {proc.returncode}): {err[-2000:]}")
         time.sleep(0.5)
-    raise AssertionError(f"no iteration logged under {root} within {timeout} s")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)

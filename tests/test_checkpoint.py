@@ -18,9 +18,9 @@ from conftest import (
     assert_one_error_line,
     call_main,
     import_script,
+    interrupt_after_an_iteration,
     read_json,
     run_script,
-    wait_for_an_iteration,
 )
 
 
@@ -86,12 +86,10 @@ def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
 def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
     flags = ["--total-timesteps", "100000000", "--target-return", "None", "--checkpoint-interval", "0",
              "--no-progress-bar", "--num-envs", "32"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    wait_for_an_iteration(tmp_path)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    command = [sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags]
+    result = interrupt_after_an_iteration(command, tmp_path, signal.SIGTERM)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 143, err
     assert "Traceback" not in err and "interrupted by SIGTERM" in err
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     summary = read_json(os.path.join(folder, "summary.json"))

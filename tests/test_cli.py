@@ -4,7 +4,6 @@ import glob
 import importlib
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -17,10 +16,10 @@ from conftest import (
     SUMMARY_KEYS,
     assert_one_error_line,
     call_main,
+    interrupt_after_an_iteration,
     read_json,
     run_script,
     scalar_tags,
-    wait_for_an_iteration,
 )
 from probes import Probe1
 
@@ -127,12 +126,10 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_ctrl_c_writes_summary_and_model(script, tmp_path):
     flags = ["--total-timesteps", "100000000", "--save-model", "--target-return", "None", "--no-progress-bar"]
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script + ".py"), *flags], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    wait_for_an_iteration(tmp_path)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    result = interrupt_after_an_iteration([sys.executable, os.path.join(ROOT, script + ".py"), *flags], tmp_path,
+                                          signal.SIGINT)  # fmt: skip
+    stderr = result.stderr
+    assert result.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
     run_dir = only_run_dir(tmp_path)
     summary = read_json(os.path.join(run_dir, "summary.json"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from dp_worker import fixed_batch, update_batches, updated
 
-from conftest import ROOT, import_script, read_json, wait_for_an_iteration
+from conftest import ROOT, import_script, interrupt_after_an_iteration, read_json
 
 P = import_script("ppo_cartpole_gpu")
 
@@ -138,10 +138,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     script = os.path.join(ROOT, "ppo_cartpole_gpu.py")
     flags = ["--total-timesteps", "100000000", "--target-return", "None", "--no-progress-bar", "--num-envs", "32"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *flags]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_an_iteration(tmp_path)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    err = interrupt_after_an_iteration(command, tmp_path, signal.SIGINT, env=env, timeout=120).stderr
     assert "interrupted by SIGINT: a checkpoint" in err, err[-3000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / "*"))
     summary = read_json(os.path.join(run_dir, "summary.json"))
