@@ -291,7 +291,7 @@ def test_inverted_pendulum_is_learned_on_two_seeds(tmp_path):
 
 @pytest.mark.slow
 def test_inverted_pendulum_is_learned_on_five_seeds_with_one_and_two_threads(tmp_path):
-    """Seeds 1-5, each with one and with two torch threads (~35 minutes on 2 cores): all ten. With normalised
+    """Seeds 1-5, each with one and with two torch threads (24 minutes on 2 cores): all ten. With normalised
     observations seed 2 with two threads fell short (462 at 2M steps); with raw ones (--norm-obs auto) all ten
     reached 900 at 0.86-1.19M steps, each mean-action policy scoring 1000 (README "Across seeds")."""
     one_thread = [[(1, 1), (2, 1)], [(3, 1), (4, 1)], [(5, 1)]]
