@@ -26,8 +26,10 @@ CleanRL's scripts do not do.
 
 from __future__ import annotations
 
-import difflib
+import contextlib
 import functools
+import importlib.util
+import io
 import json
 import math
 import os
@@ -39,12 +41,11 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
-from enum import Enum
 from typing import Literal, NamedTuple, Optional
 
 # libgomp's OpenMP threads wait for work by spinning, which starves our own threads whenever another program keeps
 # a core busy (4x slower beside one CPU hog on 2 cores); sleeping instead costs little. It must be set before torch
-# loads OpenMP; a value you export wins. README: "Threads and a busy machine".
+# loads OpenMP; a value you export wins. docs/running.md: "Threads and a busy machine".
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -56,14 +57,11 @@ import tyro
 
 @dataclass
 class Args:
-    # Algorithm
+    # Algorithm: a --resume keeps these as the checkpoint has them
     env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
     """the environment: CartPole-v1, EasyCart-v1 (shaped reward) or SpinCart-v1 (spin the pole)"""
-    total_timesteps: int = 5_000_000
-    """upper bound on environment steps, all torchrun ranks together (training may stop earlier, see `target-return`)"""
-    target_return: Optional[float] = 500.0
-    """stop once the mean return of the last 100 episodes reaches this (None: run all steps;
-    the shaped envs never reach 500)"""
+    seed: int = 1
+    """seed of the networks, the action sampling and the environments"""
     learning_rate: float = 5e-3
     """Adam learning rate (high for PPO: the batches are large and the net small)"""
     num_envs: int = 128
@@ -96,11 +94,14 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""
 
-    # Run management and logging
+    # The run's length and its management: a --resume may change these
+    total_timesteps: int = 5_000_000
+    """upper bound on environment steps, all torchrun ranks together (training may stop earlier, see `target-return`)"""
+    target_return: Optional[float] = 500.0
+    """stop once the mean return of the last 100 episodes reaches this (None: run all steps;
+    the shaped envs never reach 500)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
-    seed: int = 1
-    """seed of the networks, the action sampling and the environments"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device to run everything on (cuda when available, else cpu)"""
     torch_threads: int = 0
@@ -108,7 +109,7 @@ class Args:
     where the ops are too small to gain from a second one, else one per available core"""
     compile: bool = False
     """torch.compile the rollout, the batch preparation and the gradient step into graphs: faster
-    iterations after a one-off compilation in iteration 1 (not counted in SPS); see README for when it pays"""
+    iterations after a one-off compilation in iteration 1 (not counted in SPS); see docs for when it pays"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -126,7 +127,7 @@ class Args:
     `resume`); 0: only the one written when the run ends, Ctrl-C and SIGTERM included"""
     resume: Optional[str] = None
     """a run folder (or checkpoint file) to go on from, in that folder; flags left out keep the checkpoint's
-    values, and only --total-timesteps, --target-return and the run-management flags may change"""
+    values, and only the flags from --total-timesteps on may change"""
     eval_only: bool = False
     """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
     load_model: Optional[str] = None
@@ -134,27 +135,39 @@ class Args:
     eval_episodes: int = 10
     """greedy-policy episodes evaluated after training (0 skips the evaluation)"""
     progress_bar: bool = True
-    """show a live progress bar with SPS and the recent return"""
+    """show a live progress bar with SPS, the recent return and the time left"""
+
+    def __post_init__(self):
+        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: `main`)."""
+        batch_size = self.num_envs * self.num_steps
+        check_flags(self, {
+            "env_id": (self.env_id in ENVS, f"one of {', '.join(ENVS)}"),
+            "num_envs": (self.num_envs > 0, "positive"),
+            "num_steps": (self.num_steps > 0, "positive"),
+            "update_epochs": (self.update_epochs > 0, "positive"),
+            "num_minibatches": (self.num_minibatches > 0 and batch_size % self.num_minibatches == 0,
+                                f"a divisor of --num-envs * --num-steps = {batch_size}"),
+            "total_timesteps": (self.total_timesteps >= batch_size, f"at least one rollout ({batch_size} steps)"),
+            "learning_rate": (self.learning_rate > 0, "> 0"),
+            "gamma": (0 < self.gamma <= 1, "in (0, 1]"),
+            "gae_lambda": (0 <= self.gae_lambda <= 1, "in [0, 1]"),
+            "clip_coef": (self.clip_coef > 0, "> 0"),
+            "ent_coef": (self.ent_coef >= 0, ">= 0"),
+            "vf_coef": (self.vf_coef >= 0, ">= 0"),
+            "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
+            "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
+        })  # fmt: skip
 
 
-DATA_PARALLEL = True  # runs under torchrun, one process per GPU or CPU share (README: "Scaling out")
-THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (README: "Threads and a busy machine")
+def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
+    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(args, name)
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
 
 
-class UsageError(ValueError):
-    """A bad flag, an impossible combination of flags or a missing package: reported in one line."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite."""
-
-
-class StopRequested(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stopped at the end of an iteration, a safe point to checkpoint."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,27 +181,21 @@ class CartPole:
       reset() -> (obs, info)
       draw_initial_states(T) -> (T, num_envs, obs_dim) states to restart finished envs from, one per step
       step(actions, initial_states=None) -> (obs, reward, terminated, truncated, info)
-      state_dict(), load_state_dict(saved): optional, all that decides the envs' future (checkpoints)
+      state_dict(), load_state_dict(saved) -> obs: optional, all that decides the envs' future (checkpoints)
     Finished envs are reset inside `step`, to `initial_states` when given (drawn from the env's generator
     otherwise: passing them keeps random draws out of a compiled rollout). `info` then holds, per env and valid where
-    terminated | truncated: "final_obs" (the real last observation), "episode_return",
-    "episode_length".
+    terminated | truncated: "final_obs" (the real last observation), "episode_return", "episode_length".
     """
 
-    gravity = 9.8
-    masscart = 1.0
-    masspole = 0.1
+    gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
     total_mass = masscart + masspole
     length = 0.5  # half the pole's length
     polemass_length = masspole * length
-    force_mag = 10.0
     tau = 0.02  # seconds between state updates
-    x_threshold = 2.4
-    theta_threshold_radians = 12 * 2 * math.pi / 360
+    x_threshold, theta_threshold_radians = 2.4, 12 * 2 * math.pi / 360
     max_episode_steps = 500
     reward_threshold: Optional[float] = 475.0  # CartPole-v1's "solved" level for the 100-episode mean
-    obs_dim = 4
-    num_actions = 2
+    obs_dim, num_actions = 4, 2
 
     def __init__(self, num_envs: int, device: torch.device | str = "cpu", seed: int = 0):
         self.num_envs = num_envs
@@ -220,11 +227,13 @@ class CartPole:
         return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
                 "generator": self.generator.get_state()}  # fmt: skip
 
-    def load_state_dict(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict) -> torch.Tensor:
+        """The envs as `state_dict` saved them; returns their observation."""
         self.state, self.episode_return, self.episode_length = (
             saved[k].to(self.device) for k in ("state", "episode_return", "episode_length")
         )
         self.generator.set_state(saved["generator"])
+        return self.state
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         """+1 for every step, the one that ends the episode included (as gymnasium)."""
@@ -305,58 +314,6 @@ class SpinCart(CartPole):
 
 
 ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}
-
-
-def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
-    """Render CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8, in tensor ops.
-
-    Same picture as gymnasium's renderer (track, black cart, brown pole, blue axle), scaled from its
-    600x400 screen; no pygame needed.
-    """
-    lead = states.shape[:-1]
-    s = states.reshape(-1, 4).float()
-    unit = width / 600.0  # gymnasium draws on a 600-pixel-wide screen
-    scale = width / (2 * CartPole.x_threshold)
-    cart_w, cart_h, pole_w = 50 * unit, 30 * unit, 10 * unit
-    pole_len = scale * 2 * CartPole.length
-    track_y = height * 0.75
-    ys = torch.arange(height, device=s.device, dtype=torch.float32).view(1, height, 1) + 0.5
-    xs = torch.arange(width, device=s.device, dtype=torch.float32).view(1, 1, width) + 0.5
-    cart_x = (s[:, 0] * scale + width / 2).view(-1, 1, 1)
-    axle_y = track_y - cart_h / 4
-    sin, cos = torch.sin(s[:, 2]).view(-1, 1, 1), torch.cos(s[:, 2]).view(-1, 1, 1)
-    # distance of each pixel from the pole's axis segment, from the axle to the tip
-    px, py = xs - cart_x, axle_y - ys  # pixel relative to the axle, y up
-    along = (px * sin + py * cos).clamp(0.0, pole_len)
-    pole = (px - along * sin).square() + (py - along * cos).square() <= (pole_w / 2) ** 2
-    cart = ((xs - cart_x).abs() <= cart_w / 2) & (ys >= track_y - cart_h / 2) & (ys <= track_y + cart_h / 2)
-    axle = px.square() + py.square() <= (pole_w / 2) ** 2
-    track = (ys - track_y).abs() <= 0.5
-
-    frame = torch.full((s.shape[0], height, width, 3), 255, dtype=torch.uint8, device=s.device)
-    for mask, colour in (
-        (track.expand_as(cart), (0, 0, 0)),
-        (cart, (0, 0, 0)),
-        (pole, (202, 152, 101)),
-        (axle, (129, 132, 203)),
-    ):
-        frame[mask] = torch.tensor(colour, dtype=torch.uint8, device=s.device)
-    return frame.view(*lead, height, width, 3)
-
-
-def grid_video(obs: torch.Tensor) -> np.ndarray:
-    """Frames (T, rows*h, cols*w, 3) uint8 of up to 16 envs of CartPole observations (T, N, 4), tiled as squarely
-    as they fit without a wasted row (10 envs: 3x4, 16: 4x4)."""
-    frames = draw(obs[:, :16])  # (T, n, h, w, 3)
-    t, n, h, w, _ = frames.shape
-    rows = math.isqrt(n)
-    cols = -(-n // rows)
-    if n < rows * cols:  # blank tiles fill the last row
-        frames = torch.cat((frames, frames.new_full((t, rows * cols - n, h, w, 3), 255)), dim=1)
-    frames[:, :, [0, -1]] = 128  # thin grey border between tiles
-    frames[:, :, :, [0, -1]] = 128
-    frames = frames.view(t, rows, cols, h, w, 3).permute(0, 1, 3, 2, 4, 5).reshape(t, rows * h, cols * w, 3)
-    return frames.cpu().numpy()
 
 
 def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
@@ -523,22 +480,23 @@ def make_batch(agent: Agent, rollout: Rollout, args: Args) -> Batch:
     return Batch(obs, actions, logprobs, advantages.view(-1), returns.view(-1), values)
 
 
-def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, returns, old_values):
-    """Clipped-surrogate PPO loss for one minibatch; returns (loss, statistics keyed by TensorBoard tag)."""
-    newlogprob, entropy, newvalue = agent(obs, actions)
-    logratio = newlogprob - old_logprobs
+def ppo_loss(agent: Agent, args: Args, batch: Batch):
+    """Clipped-surrogate PPO loss on a minibatch; returns (loss, statistics keyed by TensorBoard tag)."""
+    newlogprob, entropy, newvalue = agent(batch.obs, batch.actions)
+    logratio = newlogprob - batch.logprobs
     ratio = logratio.exp()
     with torch.no_grad():
         approx_kl = ((ratio - 1) - logratio).mean()  # the k3 estimator (detail 12)
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+    advantages = batch.advantages
     if args.norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
     if args.clip_vloss:
-        v_clipped = old_values + (newvalue - old_values).clamp(-args.clip_coef, args.clip_coef)
-        v_loss = 0.5 * torch.max((newvalue - returns).square(), (v_clipped - returns).square()).mean()
+        v_clipped = batch.values + (newvalue - batch.values).clamp(-args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max((newvalue - batch.returns).square(), (v_clipped - batch.returns).square()).mean()
     else:
-        v_loss = 0.5 * (newvalue - returns).square().mean()
+        v_loss = 0.5 * (newvalue - batch.returns).square().mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
     stats = {"losses/policy_loss": pg_loss, "losses/value_loss": v_loss, "losses/entropy": entropy_loss,
@@ -546,104 +504,75 @@ def ppo_loss(agent: Agent, args: Args, obs, actions, old_logprobs, advantages, r
     return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
-    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
-    returns are constant (as in CleanRL), where the ratio means nothing."""
-    var_returns = returns.var()
-    return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
-
-
-def update(gradient_step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), one `gradient_step` each,
-    ending early once the approximate KL exceeds `target-kl`.
-    Returns the mean of each loss statistic and the critic's explained variance."""
-    minibatch_size = len(batch.actions) // args.num_minibatches
-    history = []
-    for _ in range(args.update_epochs):
-        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).split(minibatch_size):
-            stats = gradient_step(batch, idx)
-            history.append(stats)
-        # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
-        if args.target_kl is not None and mean_over_ranks(stats["losses/approx_kl"]) > args.target_kl:
-            break
-    means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
-    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
-
-
-def train(args: Args, envs=None) -> Agent:
-    """Train PPO on `envs` (default: the `--env-id` env) and return the agent.
-
-    Any env with the CartPole interface works, e.g. the probe envs of the tests. `Run` writes the
-    outputs; Ctrl-C (KeyboardInterrupt) and a non-finite loss end the run with everything written.
-    """
-    device = torch.device(args.device)
-    T, N = args.num_steps, args.num_envs
-    with Run(args) as run:
-        # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
-        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
-        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
-        envs = make_envs(args, device, envs, run.rank)
-        agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
-        # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        rollout = Rollout.empty(T, N, envs.obs_dim, device)
-        obs, _ = envs.reset()
-        # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them
-        obs = run.start(agent, envs, optimizer, total_steps=num_iterations * T * N * run.world_size, obs=obs)
-        # the hot phases, torch.compile'd with --compile
-        collect, prepare, gradient_step = hot_phases(agent, optimizer, ppo_loss, args, collect_rollout, make_batch)
-        for iteration in range(run.iteration + 1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-            obs = collect(agent, envs, obs, rollout, RolloutNoise.draw(envs, T))
-            batch = prepare(agent, rollout, args)
-            stats = update(gradient_step, batch, args)
-            if run.log(T * N, stats, rollout):  # True once the target return is reached
-                break
-    return agent
-
-
-# ----------------------------------------------------------------------------------------------
-# Speed: the gradient step and torch.compile (the same code in the CartPole scripts and the Brax one)
-# ----------------------------------------------------------------------------------------------
 def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
-    """One step of Adam on `loss_fn(agent, args, *minibatch)`, the minibatch being the rows `idx` of `batch`
-    (all of it when None), with global gradient clipping (detail 11); returns the loss statistics."""
-    loss, stats = loss_fn(agent, args, *(x if idx is None else x[idx] for x in batch))
+    """One optimizer step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of
+    it when None), with global gradient-norm clipping (detail 11); returns the loss statistics."""
+    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    average_gradients(agent)  # data parallel under torchrun: the mean gradient over the ranks
+    if dist.is_initialized():  # data parallel under torchrun: each gradient becomes the ranks' mean
+        grads = [p.grad for p in agent.parameters() if p.grad is not None]
+        for grad, mean in zip(grads, mean_over_ranks(grads)):
+            grad.copy_(mean)
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
     return stats
 
 
+def mean_over_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's mean over the torchrun ranks, all in one all-reduce (the tensors themselves in one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensors
+    flat = torch.cat([t.detach().flatten() for t in tensors])
+    dist.all_reduce(flat)
+    return [m.view_as(t) for t, m in zip(tensors, (flat / dist.get_world_size()).split([t.numel() for t in tensors]))]
+
+
+class LossOf(nn.Module):
+    """`loss_fn(agent, args, minibatch)` as a module holding the agent, for torch.func.functional_call to swap in the
+    parameters it differentiates: the compiled gradient step's loss gets the real Agent, as the eager one's does."""
+
+    def __init__(self, agent: nn.Module, loss_fn, args):
+        super().__init__()
+        self.agent, self.loss_fn, self.args = agent, loss_fn, args
+
+    def forward(self, minibatch):
+        return self.loss_fn(self.agent, self.args, minibatch)
+
+
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
     """`gradient_step` as one pure function of (lr, batch, idx), which torch.compile makes a single graph.
 
-    torch.compile cuts `loss.backward()` and `optimizer.step()` into separate graphs (3x slower here),
-    so the gradients come from torch.func.grad and the clipping and Adam's update are written out: the
-    same arithmetic as clip_grad_norm_ and torch.optim.Adam, on the optimizer's own state tensors, so its
-    state_dict and the eager path go on from where this left off.
+    torch.compile cuts `loss.backward()` and `optimizer.step()` into separate graphs (3x slower here), so the
+    gradients come from torch.func.grad and the clipping and Adam's update are written out: the arithmetic of
+    clip_grad_norm_ and torch.optim.Adam, on the optimizer's own state (its state_dict and the eager path go on from
+    there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line.
     """
-    params = dict(agent.named_parameters())
-    (beta1, beta2), eps = optimizer.param_groups[0]["betas"], optimizer.param_groups[0]["eps"]
-    state = [optimizer.state[p] for p in params.values()]
-    for p, s in zip(params.values(), state):
-        if not s:  # what torch.optim.Adam creates at its first step
-            s.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-
-    def loss_of(params, *minibatch):
-        return loss_fn(lambda *x: torch.func.functional_call(agent, params, x), args, *minibatch)
+    group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
+    if (
+        type(optimizer) is not torch.optim.Adam
+        or len(optimizer.param_groups) > 1
+        or group["weight_decay"]
+        or (group["amsgrad"] or group["maximize"])
+    ):
+        raise UsageError(f"--compile writes out plain Adam's update, not {type(optimizer).__name__}'s with these "
+                         "settings: leave out --compile (or compile only the loss)")  # fmt: skip
+    params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
+    for p in params.values():
+        if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
+            optimizer.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
+                                      exp_avg_sq=torch.zeros_like(p))  # fmt: skip
 
     def step(lr, batch, idx=None):
-        minibatch = (x if idx is None else x[idx] for x in batch)  # gathered inside the graph, fused
-        grads, stats = torch.func.grad(loss_of, has_aux=True)(params, *minibatch)
+        minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
+        grads, stats = torch.func.grad(lambda p, mb: torch.func.functional_call(loss_of, p, (mb,)), has_aux=True)(
+            params, minibatch
+        )
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
-            for p, g, s in zip(params.values(), grads.values(), state):
-                g = g * clip
+            for p, g in zip(params.values(), grads.values()):
+                s, g = optimizer.state[p], g * clip  # the optimizer's state as it is now (--resume replaces it)
                 s["step"] += 1
                 s["exp_avg"].lerp_(g, 1 - beta1)  # m = β1 m + (1 - β1) g
                 s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2 v + (1 - β2) g²
@@ -655,8 +584,8 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
-    """`phases` (functions of tensors) and `gradient_step(batch, idx)`: as written, or with --compile each
-    one torch.compile'd into a single graph (fullgraph: a graph break is an error, not a silent slowdown)."""
+    """`phases` (functions of tensors) and `step(batch, idx)`, one gradient step: as written, or with --compile each
+    torch.compile'd into a single graph (fullgraph: a graph break is an error, not a silent slowdown)."""
     if not args.compile:
         return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
     compile = functools.partial(torch.compile, fullgraph=True)
@@ -666,120 +595,241 @@ def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args
     return *map(compile, phases), lambda *batch_idx: step(torch.tensor(group["lr"], device=device), *batch_idx)
 
 
-# ----------------------------------------------------------------------------------------------
-# Run management: the same code in all five scripts, but for the part marked environment-specific
-# ----------------------------------------------------------------------------------------------
-class Status(str, Enum):
-    COMPLETED = "completed"
-    TARGET_REACHED = "target return reached"
-    INTERRUPTED = "interrupted"
-    NON_FINITE_LOSS = "non-finite loss"
-    ERROR = "error"
-    EVALUATED = "evaluated"  # --eval-only
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
+    returns are constant (as in CleanRL), where the ratio means nothing."""
+    var_returns = returns.var()
+    return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
-# flags that may differ from the checkpoint's on --resume: they change neither the algorithm nor its random draws
-RESUMABLE_CHANGES = {"total_timesteps", "target_return", "device", "torch_threads", "compile", "track",
-                     "wandb_project_name", "wandb_entity", "capture_video", "video_interval", "save_model",
-                     "eval_episodes", "progress_bar", "checkpoint_interval", "resume"}  # fmt: skip
+def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a gradient `step(batch, idx)` on each,
+    ending early once the approximate KL exceeds `target-kl`. Returns the mean of each loss statistic and the
+    critic's explained variance."""
+    history = []
+    for _ in range(args.update_epochs):
+        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).tensor_split(args.num_minibatches):
+            history.append(step(batch, idx))
+        # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
+        if args.target_kl is not None and mean_over_ranks([history[-1]["losses/approx_kl"]])[0] > args.target_kl:
+            break
+    means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
+    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
+
+
+def train(args: Args, envs=None) -> Agent:
+    """Train PPO on `envs` (default: the `--env-id` env) and return the agent. Any env with the CartPole interface
+    works, e.g. the tests' probe envs. `Run` writes the outputs, also when an exception ends the run."""
+    device, T, N = torch.device(args.device), args.num_steps, args.num_envs
+    with Run(args) as run:
+        # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
+        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
+        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
+        envs = make_envs(args, device, envs, run.rank)
+        agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
+        # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        # the hot phases: as written, or torch.compile'd with --compile
+        collect, prepare, step = hot_phases(agent, optimizer, ppo_loss, args, collect_rollout, make_batch)
+        rollout = Rollout.empty(T, N, envs.obs_dim, device)
+        # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them
+        obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
+        for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            obs = collect(agent, envs, obs, rollout, RolloutNoise.draw(envs, T))
+            batch = prepare(agent, rollout, args)
+            stats = update(step, batch, args)
+            if run.log(T * N, stats, rollout):  # True once the target return is reached
+                break
+    return agent
+
+
+# ----------------------------------------------------------------------------------------------
+# What the run management asks of the environment: finished episodes, evaluation, videos
+# ----------------------------------------------------------------------------------------------
+def finished_episodes(rollout: Rollout):
+    """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
+    return rollout.dones, rollout.episode_return, rollout.episode_length
+
+
+def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
+    """The return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy; with a
+    `video` path, a grid video there of (up to 16 of) them, a frame per step, each held still once its episode ends."""
+    n = args.eval_episodes
+    envs = type(envs)(n, envs.device, args.seed + 1)
+    obs, _ = envs.reset()
+    returns, frames = torch.full((n,), float("nan"), device=envs.device), []
+    with torch.no_grad():
+        for _ in range(envs.max_episode_steps):
+            playing = returns[:16].isnan().unsqueeze(1)
+            frames.append(torch.where(playing, obs[:16], frames[-1]) if frames else obs[:16])
+            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs, greedy=True))
+            returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
+            if not returns.isnan().any():
+                break
+    if video is not None:
+        with video_writer(video, fps=round(1 / envs.tau)) as writer:  # real time: 50 fps
+            for frame in grid_video(torch.stack(frames)):
+                writer.append_data(frame)
+    return returns.tolist()
+
+
+def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
+    """A grid video of (up to 16 of) the envs of `rollout` at `path`; returns the path."""
+    with video_writer(path, fps=50) as writer:
+        for frame in grid_video(rollout.obs):
+            writer.append_data(frame)
+    return path
+
+
+def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
+    """Render CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8, in tensor ops.
+
+    Same picture as gymnasium's renderer (track, black cart, brown pole, blue axle), scaled from its
+    600x400 screen; no pygame needed.
+    """
+    lead = states.shape[:-1]
+    s = states.reshape(-1, 4).float()
+    unit = width / 600.0  # gymnasium draws on a 600-pixel-wide screen
+    scale = width / (2 * CartPole.x_threshold)
+    cart_w, cart_h, pole_w = 50 * unit, 30 * unit, 10 * unit
+    pole_len = scale * 2 * CartPole.length
+    track_y = height * 0.75
+    ys = torch.arange(height, device=s.device, dtype=torch.float32).view(1, height, 1) + 0.5
+    xs = torch.arange(width, device=s.device, dtype=torch.float32).view(1, 1, width) + 0.5
+    cart_x = (s[:, 0] * scale + width / 2).view(-1, 1, 1)
+    axle_y = track_y - cart_h / 4
+    sin, cos = torch.sin(s[:, 2]).view(-1, 1, 1), torch.cos(s[:, 2]).view(-1, 1, 1)
+    # distance of each pixel from the pole's axis segment, from the axle to the tip
+    px, py = xs - cart_x, axle_y - ys  # pixel relative to the axle, y up
+    along = (px * sin + py * cos).clamp(0.0, pole_len)
+    pole = (px - along * sin).square() + (py - along * cos).square() <= (pole_w / 2) ** 2
+    cart = ((xs - cart_x).abs() <= cart_w / 2) & (ys >= track_y - cart_h / 2) & (ys <= track_y + cart_h / 2)
+    axle = px.square() + py.square() <= (pole_w / 2) ** 2
+    track = (ys - track_y).abs() <= 0.5
+
+    frame = torch.full((s.shape[0], height, width, 3), 255, dtype=torch.uint8, device=s.device)
+    for mask, colour in (
+        (track.expand_as(cart), (0, 0, 0)),
+        (cart, (0, 0, 0)),
+        (pole, (202, 152, 101)),
+        (axle, (129, 132, 203)),
+    ):
+        frame[mask] = torch.tensor(colour, dtype=torch.uint8, device=s.device)
+    return frame.view(*lead, height, width, 3)
+
+
+def grid_video(obs: torch.Tensor) -> np.ndarray:
+    """Frames (T, rows*h, cols*w, 3) uint8 of up to 16 envs of CartPole observations (T, N, 4), tiled as squarely
+    as they fit without a wasted row (10 envs: 3x4, 16: 4x4)."""
+    frames = draw(obs[:, :16])  # (T, n, h, w, 3)
+    t, n, h, w, _ = frames.shape
+    rows = math.isqrt(n)
+    cols = -(-n // rows)
+    if n < rows * cols:  # blank tiles fill the last row
+        frames = torch.cat((frames, frames.new_full((t, rows * cols - n, h, w, 3), 255)), dim=1)
+    frames[:, :, [0, -1]] = 128  # thin grey border between tiles
+    frames[:, :, :, [0, -1]] = 128
+    frames = frames.view(t, rows, cols, h, w, 3).permute(0, 1, 3, 2, 4, 5).reshape(t, rows * h, cols * w, 3)
+    return frames.cpu().numpy()
+
+
+def video_writer(path: str, fps: int):
+    """An MP4 writer (imageio's ffmpeg, H.264): `append_data(frame)` for each RGB frame (H, W, 3) uint8, then close."""
+    import imageio.v2 as imageio
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return imageio.get_writer(path, fps=fps, macro_block_size=2)  # odd sides padded to even, as H.264 needs
+
+
+# Run management: identical in all five scripts
+# ----------------------------------------------------------------------------------------------
+class UsageError(Exception):
+    """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
 
 
 class Run:
-    """Everything around the algorithm: the run folder runs/{env_id}__{exp_name}__{seed}__{time}, TensorBoard
-    (and W&B with --track), the progress bar, logging, the stop on a non-finite loss, videos, checkpoints and
-    --resume, SIGINT/SIGTERM, the model, the final evaluation and summary.json. `train` opens it with
-    `with Run(args) as run:`, calls `run.start(...)` when training begins (which restores a checkpoint with
-    --resume) and `if run.log(...): break` once per iteration. Leaving the block, normally or by an exception,
-    writes everything; the exception then goes on to `main`."""
+    """The run folder runs/{env_id}__{exp_name}__{seed}__{time} and all in it: TensorBoard (W&B with --track), videos,
+    checkpoints, the model, summary.json; the progress bar, --resume, SIGINT/SIGTERM, the NaN stop and the evaluation.
+    `with Run(args) as run:`, `run.start(...)`, `if run.log(...): break` each iteration; the exit writes it all."""
 
     def __init__(self, args):
-        self.args = args
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        self.dir = os.path.join("runs", self.name)
-        self.saved = None  # the checkpoint to go on from, with --resume: in its run folder
-        if args.resume:
-            self.saved = read_checkpoint(args.resume)
-            self.dir = os.path.dirname(checkpoint_file(args.resume)) or "."
-            self.name = os.path.basename(os.path.abspath(self.dir))
-        self.agent = self.envs = self.optimizer = self.progress = self.wandb = self.writer = self.threshold = None
-        self.stateful: dict = {}  # what a checkpoint keeps: name -> object with state_dict()
-        # under torchrun, rank 0 alone writes; the logged numbers cover every rank
+        self.args, self.saved = args, read_checkpoint(args.resume) if args.resume else None
+        name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = os.path.join("runs", name) if not args.resume else os.path.dirname(self.saved["file"]) or "."
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.iteration = self.global_step = self.episodes = self.uncounted_steps = self.resumed_at = 0
-        self.resumed_seconds = 0.0  # training seconds before this process, with --resume
+        # the run's progress, checkpointed as is; "seconds" and "timed_steps" leave out set-up and compilation
+        self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, solved_step=None,
+                             solved_seconds=None)  # fmt: skip
         self.recent_returns: deque[float] = deque(maxlen=100)
-        self.solved_step = self.solved_seconds = None  # when the 100-episode mean first reached the threshold
-        self.target_reached = False
-        self.stop_signal = 0  # SIGINT or SIGTERM once one arrived: stop at the end of the iteration
-        self.checkpointed_at = None  # the iteration of the last checkpoint written or restored
-        self.signal_handlers: dict = {}
+        self.agent = self.progress = self.writer = self.wandb = None
+        self.handlers, self.stop_signal, self.target_reached, self.checkpointed = {}, 0, False, -1
+        self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def __enter__(self) -> Run:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.created = self.start_time = time.perf_counter()
-        if self.rank != 0:
-            return self
-        self.made_dir = not os.path.isdir(self.dir)
-        if self.args.track:
-            import wandb
-
-            self.wandb = wandb
-            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(self.args), name=self.name, save_code=True,
-                       id=self.saved and self.saved["wandb_id"], resume="allow")  # fmt: skip
-        # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
-        self.writer = SummaryWriter(self.dir, purge_step=self.saved and self.saved["global_step"] + 1)
-        if self.saved is None:
-            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(self.args).items())
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         return self
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
-        """Training begins: the clock starts (set-up and compilation before it are not counted in SPS). With
-        --resume, the agent, the optimizer, `stateful` (more objects with a state_dict, e.g. a reward scaler), the
-        counters, the RNGs and the envs are restored from the checkpoint (`iteration` then counts the iterations
-        done); with --load-model, the agent's weights. Returns `obs`, or the restored envs' observation."""
-        self.agent, self.envs, self.optimizer = agent, envs, optimizer
+        """Training begins: outputs open, the clock starts. --resume restores all the checkpoint holds (`stateful`:
+        more objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
-        self.device = next(agent.parameters()).device
-        self.threshold = getattr(envs, "reward_threshold", None)
-        if self.saved is not None:
-            obs = self.restore(self.saved, obs)
-            self.saved = None  # the tensors are in place now: free them
-        elif self.args.load_model:
+        if self.args.load_model:
             saved = read_checkpoint(self.args.load_model, flag="--load-model")
-            try:
-                agent.load_state_dict(saved.get("agent", saved))  # a checkpoint's agent, or a saved model
+            try:  # a checkpoint's agent, or a saved model
+                agent.load_state_dict(saved.get("agent", saved))
             except RuntimeError as e:
-                raise UsageError(f"--load-model {self.args.load_model} does not fit this agent: "
-                                 f"{str(e).splitlines()[-1].strip()}") from None  # fmt: skip
+                message = str(e).splitlines()[-1].strip()
+                raise UsageError(f"--load-model {self.args.load_model} does not fit this agent: {message}") from None
+        if self.saved is not None:  # --resume: all that `save_checkpoint` wrote, back in place
+            for name, obj in self.stateful.items():
+                obj.load_state_dict(self.saved[name])
+            self.counters.update(self.saved["counters"])
+            self.recent_returns.extend(self.saved["recent_returns"])
+            self.checkpointed, mine = self.counters["iteration"], self.saved["ranks"][self.rank]
+            torch.set_rng_state(mine["rng"])
+            if mine["cuda_rng"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
+            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
+            new = ", the envs not in it: new episodes" if mine["envs"] is None else ""
+            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{new}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
-        if self.args.progress_bar and self.rank == 0 and not self.args.eval_only:
-            from tqdm import tqdm
+        if self.rank == 0:
+            if self.args.track:
+                import wandb
 
-            self.progress = tqdm(total=total_steps, initial=self.global_step, unit="step", unit_scale=True,
-                                 dynamic_ncols=True)  # fmt: skip
+                self.wandb = wandb
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=asdict(self.args), name=os.path.basename(self.dir), resume="allow",
+                           id=self.saved and self.saved["wandb_id"])  # fmt: skip
+            # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
+            self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
+            table = "".join(f"\n|{key}|{value}|" for key, value in asdict(self.args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|" + table)
+            if self.args.progress_bar and not self.args.eval_only:
+                from tqdm import tqdm  # its ETA tells how long the run takes
+
+                self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True)
         if total_steps < 0.99 * self.args.total_timesteps and not self.args.eval_only:  # not for 5M -> 4,999,168
-            self.note(
-                f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}"
-            )
+            self.note(f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: "
+                      f"{total_steps:,}")  # fmt: skip
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            self.signal_handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.total_steps, self.start_time = total_steps, time.perf_counter() - self.resumed_seconds
-        self.created -= self.resumed_seconds
+            self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.first_iteration, self.saved = self.counters["iteration"] + 1, None  # the restored tensors are in place
+        self.setup_seconds, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         return obs
 
     def request_stop(self, signum: int, frame) -> None:
-        """SIGINT/SIGTERM handler: stop at the end of this iteration (checkpoint, logs, summary); a second Ctrl-C
-        stops at once (the checkpoint is then the last periodic one)."""
+        """SIGINT/SIGTERM: stop at the end of this iteration, with a checkpoint; a second Ctrl-C stops at once."""
         if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
             raise KeyboardInterrupt
         if not self.stop_signal:
             self.stop_signal = signum
-            self.note(f"{signal.Signals(signum).name}: stopping after this iteration, with a checkpoint "
-                      "(Ctrl-C again: at once)")  # fmt: skip
+            self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
@@ -787,363 +837,175 @@ class Run:
             (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
-        """Log one iteration with a single host read; raise NonFiniteLossError on a NaN or infinite loss;
-        film and checkpoint when due; raise StopRequested after SIGINT/SIGTERM. Returns True once the target
-        return is reached. Under torchrun every rank gets every rank's numbers (one all-gather), so all take
-        the same decisions, stopping on a signal too."""
-        self.iteration += 1
-        ended, returns, lengths = self.finished_episodes(rollout)
-        scalars = [torch.tensor(float(env_steps), device=self.device), torch.tensor(float(self.stop_signal),
-                   device=self.device), *stats.values()]  # fmt: skip
-        episodes = torch.stack((ended.flatten().float(), returns.flatten().float(), lengths.flatten().float()))
-        if self.world_size > 1:  # padded to the longest episode list of any rank, for one all-gather
-            longest = torch.tensor(episodes.shape[1], device=self.device)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            episodes = nn.functional.pad(episodes, (0, int(longest) - episodes.shape[1]))
-        local = torch.cat((torch.stack(scalars).float(), episodes.flatten()))
-        gathered = [local]
-        if self.world_size > 1:
-            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-            dist.all_gather(gathered, local)
-        host = torch.stack(gathered).cpu().numpy()  # the iteration's one host read: (ranks, numbers)
-        env_steps, stop_signal = int(host[:, 0].sum()), int(host[:, 1].max())  # every rank's steps and signals
-        self.global_step += env_steps
-        values = dict(zip(stats, host[:, 2 : len(scalars)].mean(0).tolist()))  # the ranks' mean losses
-        ended, returns, lengths = (
-            host[:, len(scalars) :].reshape(self.world_size, 3, -1).transpose(1, 0, 2).reshape(3, -1)
-        )
+        """One iteration's logs from one host read (under torchrun shared: the ranks decide alike), videos, checkpoints;
+        FloatingPointError on a NaN loss, KeyboardInterrupt(signal) after a signal; True once the target is reached."""
+        c, k = self.counters, 2 + len(stats)
+        c["iteration"] += 1
+        episodes = torch.stack([x.flatten().float() for x in finished_episodes(rollout)])  # (ended, return, length)
+        head = torch.tensor([env_steps, self.stop_signal], dtype=torch.float32, device=self.device)
+        ranks = [torch.cat((head, torch.stack(list(stats.values())).float(), episodes.flatten())).cpu().numpy()]
+        if self.world_size > 1:  # the iteration's one host read, above; then every rank's numbers to every rank
+            dist.all_gather_object(ranks := [None] * self.world_size, ranks[0])
+        steps, stop_signal = int(sum(r[0] for r in ranks)), int(max(r[1] for r in ranks))
+        values = dict(zip(stats, np.mean([r[2:k] for r in ranks], axis=0).tolist()))  # the ranks' mean losses
+        ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
         returns, lengths = returns[ended > 0], lengths[ended > 0]
+        c["global_step"] += steps
         # explained variance is NaN by design when the returns are constant; every loss must be finite
         if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
-            raise NonFiniteLossError(f"non-finite loss at iteration {self.iteration} (env step {self.global_step})")
-
+            raise FloatingPointError(f"non-finite loss at iteration {c['iteration']} (env step {c['global_step']})")
+        now = time.perf_counter()
+        if getattr(self.args, "compile", False) and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
+            self.note(f"--compile: iteration {c['iteration']} took {now - self.clock:.1f} s (compilation), not counted")
+            self.setup_seconds += now - self.clock
+        else:
+            c["seconds"], c["timed_steps"] = c["seconds"] + now - self.clock, c["timed_steps"] + steps
+        self.clock = now
         self.recent_returns.extend(returns.tolist())
-        self.episodes += len(returns)
-        elapsed = time.perf_counter() - self.start_time
-        full = len(self.recent_returns) == self.recent_returns.maxlen
-        mean_recent = float(np.mean(self.recent_returns)) if self.recent_returns else None
-        if self.threshold is not None and self.solved_step is None and full and mean_recent >= self.threshold:
-            self.solved_step, self.solved_seconds = self.global_step, elapsed
-        target = self.args.target_return
-        self.target_reached = target is not None and full and mean_recent >= target
-        if self.rank == 0:  # the other ranks keep only the bookkeeping that decides when to stop
-            self.write_iteration(env_steps, values, returns, lengths, mean_recent, elapsed, rollout)
-        if self.args.checkpoint_interval and self.iteration % self.args.checkpoint_interval == 0:
+        c["episodes"] += len(returns)
+        mean = float(np.mean(self.recent_returns)) if len(self.recent_returns) == 100 else -math.inf  # a full window
+        threshold, target = getattr(self.envs, "reward_threshold", None), self.args.target_return
+        if threshold is not None and c["solved_step"] is None and mean >= threshold:
+            c["solved_step"], c["solved_seconds"] = c["global_step"], c["seconds"]
+        self.target_reached = target is not None and mean >= target
+        sps = int(c["timed_steps"] / c["seconds"]) if c["seconds"] else None
+        scalars = {"charts/learning_rate": self.optimizer.param_groups[0]["lr"], "charts/SPS": sps} | values
+        if len(returns):
+            scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
+        for tag, value in scalars.items() if self.rank == 0 else ():
+            if value is not None:
+                self.writer.add_scalar(tag, value, c["global_step"])
+        if self.progress is not None:
+            self.progress.update(steps)
+            self.progress.set_postfix(SPS=sps, ret=f"{np.mean(self.recent_returns or [np.nan]):.1f}", refresh=False)
+        interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
+        if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
+            path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
+            self.upload("videos/training", record_video(self.agent, self.envs, rollout, self.args, path))
+        if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
             self.save_checkpoint()
         if stop_signal:
-            raise StopRequested(stop_signal)
+            raise KeyboardInterrupt(stop_signal)
         return self.target_reached
 
-    def write_iteration(self, env_steps: int, values: dict, returns, lengths, mean_recent, elapsed, rollout) -> None:
-        """Rank 0's part of `log`: TensorBoard, the ETA note, the progress bar, videos, the compile burn-in."""
-        sps = int((self.global_step - self.uncounted_steps) / elapsed)
-        if len(returns):
-            self.writer.add_scalar("charts/episodic_return", float(returns.mean()), self.global_step)
-            self.writer.add_scalar("charts/episodic_length", float(lengths.mean()), self.global_step)
-        self.writer.add_scalar("charts/learning_rate", self.optimizer.param_groups[0]["lr"], self.global_step)
-        self.writer.add_scalar("charts/SPS", sps, self.global_step)
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, self.global_step)
-        remaining = (self.total_steps - self.global_step) / max(sps, 1)
-        if self.iteration == self.resumed_at + 3 and remaining > 600:  # long defaults (Atari's 10M) should not surprise
-            self.note(f"at {sps:,} steps/s the remaining {self.total_steps - self.global_step:,} steps take about "
-                      f"{remaining / 3600:.1f} h; --total-timesteps sets the length")  # fmt: skip
-        if self.progress is not None:
-            self.progress.update(env_steps)
-            self.progress.set_postfix(SPS=sps, ret="-" if mean_recent is None else f"{mean_recent:.1f}", refresh=False)
-        interval = self.args.video_interval
-        if self.args.capture_video and interval and (self.iteration - 1) % interval == 0:  # iterations 1, 1+k, ...
-            path = self.record_video(rollout, self.iteration)
-            if path is not None and self.wandb is not None:
-                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
-        if self.iteration == self.resumed_at + 1 and getattr(self.args, "compile", False):
-            # this process's first iteration compiled the graphs: SPS and the time to solve count from here
-            # (LeanRL's burn-in)
-            self.note(f"--compile: iteration {self.iteration} took {elapsed - self.resumed_seconds:.1f} s "
-                      "(compilation), not counted in SPS")  # fmt: skip
-            self.start_time = time.perf_counter() - self.resumed_seconds
-            self.uncounted_steps += env_steps
+    def upload(self, key: str, path: Optional[str]) -> None:
+        if self.wandb is not None and path is not None and os.path.exists(path):
+            self.wandb.log({key: self.wandb.Video(path, format="mp4")})
 
     def save_checkpoint(self) -> None:
-        """Write <run folder>/checkpoint.pt: the agent, the optimizer (with the learning rate), `stateful`,
-        the counters and the recent returns, and per rank the RNGs and the envs' state. Written to a temporary
-        file renamed over the old one, so a kill during the write leaves the previous checkpoint whole."""
-        mine = {"rng": rng_state(self.device), "envs": self.envs_state()}
-        ranks = [mine]
+        """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None
+        ranks = [{"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
-            ranks = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(mine, ranks, dst=0)
-        self.checkpointed_at = self.iteration
-        if self.rank != 0:
-            return
-        checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {
-            "script": os.path.basename(__file__),
-            "args": asdict(self.args),
-            "iteration": self.iteration,
-            "global_step": self.global_step,
-            "episodes": self.episodes,
-            "recent_returns": list(self.recent_returns),
-            "solved_step": self.solved_step,
-            "solved_seconds": self.solved_seconds,
-            "seconds": time.perf_counter() - self.start_time,  # training seconds so far (SPS, solve time)
-            "setup_seconds": self.start_time - self.created,
-            "uncounted_steps": self.uncounted_steps,
-            "wandb_id": self.wandb.run.id if self.wandb is not None else None,
-            "ranks": ranks,
-        }
-        path = os.path.join(self.dir, "checkpoint.pt")
-        with open(path + ".tmp", "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
-        os.replace(path + ".tmp", path)  # atomic
-
-    def restore(self, saved: dict, obs):
-        """--resume: everything `save_checkpoint` wrote back in place; returns the observation to go on from."""
-        for name, obj in self.stateful.items():
-            obj.load_state_dict(saved[name])
-        self.iteration = self.resumed_at = self.checkpointed_at = saved["iteration"]
-        self.global_step, self.episodes = saved["global_step"], saved["episodes"]
-        self.recent_returns.extend(saved["recent_returns"])
-        self.solved_step, self.solved_seconds = saved["solved_step"], saved["solved_seconds"]
-        self.resumed_seconds, self.uncounted_steps = saved["seconds"], saved["uncounted_steps"]
-        self.created -= saved["setup_seconds"]
-        if len(saved["ranks"]) == self.world_size:
-            set_rng_state(saved["ranks"][self.rank]["rng"], self.device)
-            obs = self.restore_envs(saved["ranks"][self.rank]["envs"], obs)
-        else:
-            self.note(f"the checkpoint has {len(saved['ranks'])} ranks' envs and random states, this run "
-                      f"{self.world_size}: the envs restart and the random draws differ")  # fmt: skip
-        self.note(f"resumed {self.dir} at iteration {self.iteration} (step {self.global_step:,})")
-        return obs
+            dist.gather_object(ranks[0], ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
+        self.checkpointed = self.counters["iteration"]
+        if self.rank == 0:
+            checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks}
+            checkpoint |= {"script": os.path.basename(__file__), "args": asdict(self.args), "counters": self.counters,
+                           "recent_returns": list(self.recent_returns),
+                           "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+            path = os.path.join(self.dir, "checkpoint.pt")
+            with open(path + ".tmp", "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
+            os.replace(path + ".tmp", path)  # atomic
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        for sig, handler in self.signal_handlers.items():
+        for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
-        if exc_type is None:
-            status = Status.TARGET_REACHED if self.target_reached else Status.COMPLETED
-            status = Status.EVALUATED if self.args.eval_only else status
-        elif issubclass(exc_type, KeyboardInterrupt):
-            status = Status.INTERRUPTED
-        elif issubclass(exc_type, NonFiniteLossError):
-            status = Status.NON_FINITE_LOSS
-        else:
-            status = Status.ERROR
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
-        if exc_type is not None and issubclass(exc_type, UsageError):  # a bad flag found late: leave no trace
-            if self.writer is not None:
-                self.writer.close()
-                if self.made_dir:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-            return False
+        a, c, stopped = self.args, self.counters, isinstance(exc, KeyboardInterrupt) and bool(exc.args)
+        status = "evaluated" if a.eval_only else "target return reached" if self.target_reached else "completed"
+        if exc is not None:
+            status = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss"}.get(exc_type, "error")
         # at the end of an iteration the state is whole: worth a checkpoint (not after a second Ctrl-C)
-        at_safe_point = status in (Status.COMPLETED, Status.TARGET_REACHED) or exc_type is StopRequested
         if (
-            self.agent is not None
-            and at_safe_point
-            and self.checkpointed_at != self.iteration
-            and not self.args.eval_only
+            (exc is None or stopped)
+            and self.agent is not None
+            and not a.eval_only
+            and self.checkpointed != c["iteration"]
         ):
             self.save_checkpoint()
-        if self.rank != 0:
+        if self.writer is None:  # not started: nothing to write (and a flag refused late leaves no trace)
             return False
-        elapsed = time.perf_counter() - self.start_time
-        summary = {  # the same keys in every script; None where a value does not apply
-            "env_id": self.args.env_id,
-            "exp_name": self.args.exp_name,
-            "seed": self.args.seed,
-            "device": self.args.device,
-            "world_size": self.world_size,  # processes under torchrun (1 without)
-            "status": status.value,
-            "total_env_steps": self.global_step,
-            "iterations": self.iteration,
-            "wall_seconds": round(elapsed, 3),
-            "setup_seconds": round(self.start_time - self.created, 3),  # before the clock: env, compilation
-            "mean_sps": round((self.global_step - self.uncounted_steps) / elapsed, 1),
-            "episodes": self.episodes,
-            "mean_return_last_100": float(np.mean(self.recent_returns)) if self.episodes else None,
-            "solved_threshold": self.threshold,
-            "solved_at_step": self.solved_step,
-            "solved_at_seconds": self.solved_seconds and round(self.solved_seconds, 3),
-            "eval_returns": None,
-            "eval_mean_return": None,
-            "model_path": None,
-        }
-        if self.agent is not None and status is not Status.NON_FINITE_LOSS:  # NaN weights are not worth keeping
-            if self.args.save_model:
-                summary["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
-                torch.save(self.agent.state_dict(), summary["model_path"])
-            if self.args.eval_episodes and status in (Status.COMPLETED, Status.TARGET_REACHED, Status.EVALUATED):
-                summary["eval_returns"] = self.evaluate()
-                summary["eval_mean_return"] = float(np.mean(summary["eval_returns"]))
-                self.writer.add_scalar("eval/episodic_return", summary["eval_mean_return"], self.global_step)
-        summary["args"] = asdict(self.args)
+        s = dict(env_id=a.env_id, exp_name=a.exp_name, seed=a.seed, device=a.device, world_size=self.world_size,
+                 status=status, total_env_steps=c["global_step"], iterations=c["iteration"],
+                 wall_seconds=round(c["seconds"], 3), setup_seconds=round(self.setup_seconds, 3),
+                 mean_sps=round(c["timed_steps"] / c["seconds"], 1) if c["seconds"] else None, episodes=c["episodes"],
+                 mean_return_last_100=float(np.mean(self.recent_returns)) if self.recent_returns else None,
+                 solved_threshold=getattr(self.envs, "reward_threshold", None), solved_at_step=c["solved_step"],
+                 solved_at_seconds=c["solved_seconds"] and round(c["solved_seconds"], 3), eval_returns=None,
+                 eval_mean_return=None, model_path=None)  # fmt: skip
+        if status != "non-finite loss" and a.save_model:  # NaN weights are not worth keeping
+            s["model_path"] = os.path.join(self.dir, f"{a.exp_name}.cleanrl_model")
+            torch.save(self.agent.state_dict(), s["model_path"])
+        if a.eval_episodes and status in ("completed", "target return reached", "evaluated"):
+            video = os.path.join(self.dir, "videos", "evaluation.mp4") if a.capture_video else None
+            s["eval_returns"] = evaluate(self.agent, self.envs, a, video)
+            s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
+            self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
+            self.upload("videos/evaluation", video)
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(s | {"args": asdict(a)}, f, indent=2)
         self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-        print(self.result_line(summary))  # last, after W&B's own summary
+        print(result_line(s, self.dir))  # last, after W&B's own summary
         return False  # exceptions go on to main
 
-    def result_line(self, s: dict) -> str:
-        if s["status"] == Status.EVALUATED.value:
-            mean = s["eval_mean_return"]
-            line = f"evaluated {self.args.load_model}: " + ("no episodes" if mean is None else
-                    f"mean return {mean:.1f} over {len(s['eval_returns'])} episodes")  # fmt: skip
-            return line + f"; outputs in {self.dir}"
-        mean = s["mean_return_last_100"]
-        line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps']:,.0f} SPS)"
-        line += "; no episode finished" if mean is None else f"; mean return of the last 100 episodes {mean:.1f}"
-        if self.threshold is not None and self.solved_step is None:
-            line += f", did not reach {self.threshold:g}"
-        elif self.threshold is not None:
-            line += f", reached {self.threshold:g} at step {self.solved_step:,} ({self.solved_seconds:.1f} s)"
-        if s["eval_mean_return"] is not None:
-            line += f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes"
-        line += f"; outputs in {self.dir}"
-        if s["status"] == Status.INTERRUPTED.value and os.path.exists(os.path.join(self.dir, "checkpoint.pt")):
-            line += f"; go on with --resume {self.dir}"
-        return line
 
-    # ---- environment-specific part (the rest of Run is the same in all five scripts) ----
-    def finished_episodes(self, rollout: Rollout):
-        """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
-        return rollout.dones, rollout.episode_return, rollout.episode_length
-
-    def evaluate(self) -> list[float]:
-        """Return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy;
-        with --capture-video, a grid video of (up to 16 of) them, one frame per step, each env held still once
-        its episode is over (uploaded with --track)."""
-        n = self.args.eval_episodes
-        envs = type(self.envs)(n, self.device, self.args.seed + 1)
-        obs, _ = envs.reset()
-        returns, frames = torch.full((n,), float("nan"), device=self.device), []
-        with torch.no_grad():
-            for _ in range(envs.max_episode_steps):
-                playing = returns[:16].isnan().unsqueeze(1)
-                frames.append(torch.where(playing, obs[:16], frames[-1]) if frames else obs[:16])
-                obs, _, terminated, truncated, info = envs.step(self.agent.get_action(obs, greedy=True))
-                returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
-                if not returns.isnan().any():
-                    break
-        if self.args.capture_video:
-            path = os.path.join(self.dir, "videos", "evaluation.mp4")
-            write_video(grid_video(torch.stack(frames)), path, fps=round(1 / envs.tau))  # real time: 50 fps
-            if self.wandb is not None:
-                self.wandb.log({"videos/evaluation": self.wandb.Video(path, format="mp4")})
-        return returns.tolist()
-
-    def envs_state(self) -> Optional[dict]:
-        """For a checkpoint: the whole state of our tensor envs (None for an env without `state_dict`)."""
-        return self.envs.state_dict() if hasattr(self.envs, "state_dict") else None
-
-    def restore_envs(self, saved: Optional[dict], obs: torch.Tensor) -> torch.Tensor:
-        """--resume: the envs as the checkpoint left them; returns their observation."""
-        if saved is None:
-            return obs
-        self.envs.load_state_dict(saved)
-        return self.envs.state
-
-    def record_video(self, rollout: Rollout, iteration: int) -> str:
-        """A grid video of (up to 16 of) the envs of `rollout`; returns its path."""
-        path = os.path.join(self.dir, "videos", f"rollout_iter{iteration:05d}.mp4")
-        write_video(grid_video(rollout.obs), path, fps=50)
-        return path
+def result_line(s: dict, run_dir: str) -> str:
+    """summary.json in a line."""
+    solved, threshold, mean = s["solved_at_step"], s["solved_threshold"], s["mean_return_last_100"]
+    line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps'] or 0:,.0f} SPS)"
+    line += f"; mean return of the last 100 episodes {mean:.1f}" if mean is not None else ""
+    line += f", reached {threshold:g} at step {solved:,} ({s['solved_at_seconds']:.1f} s)" if solved is not None else ""
+    line += f", did not reach {threshold:g}" if threshold is not None and solved is None else ""
+    line += (
+        f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes" if s["eval_returns"] else ""
+    )
+    resume = s["status"] == "interrupted" and os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    return line + f"; outputs in {run_dir}" + (f"; go on with --resume {run_dir}" if resume else "")
 
 
-def write_video(frames: np.ndarray, path: str, fps: int) -> None:
-    """An H.264 MP4 of RGB frames (T, H, W, 3) uint8, every one of them (moviepy's ImageSequenceClip drops the last)."""
-    from moviepy.video.io.ffmpeg_writer import FFMPEG_VideoWriter
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    writer = FFMPEG_VideoWriter(path, (frames[0].shape[1], frames[0].shape[0]), fps)
-    for frame in frames:
-        writer.write_frame(frame)
-    writer.close()
-
-
-def validate(args: Args) -> torch.device:
-    """Reject bad flags with one clear line (raised as UsageError) before anything is built; return the device."""
-    positive = ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs")
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.eval_episodes < 0 or args.torch_threads < 0 or args.video_interval < 0:
-        raise UsageError("--eval-episodes, --torch-threads and --video-interval must be >= 0")
-    batch_size = args.num_envs * args.num_steps
-    if batch_size % args.num_minibatches:
-        raise UsageError(
-            f"--num-envs * --num-steps = {batch_size} is not divisible by --num-minibatches {args.num_minibatches}"
-        )
-    if args.total_timesteps < batch_size:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is smaller than one rollout ({batch_size} steps)")
-    for name, ok, rule in (
-        ("learning_rate", args.learning_rate > 0, "> 0"),
-        ("gamma", 0 < args.gamma <= 1, "in (0, 1]"),
-        ("gae_lambda", 0 <= args.gae_lambda <= 1, "in [0, 1]"),
-        ("clip_coef", args.clip_coef > 0, "> 0"),
-        ("ent_coef", args.ent_coef >= 0, ">= 0"),
-        ("vf_coef", args.vf_coef >= 0, ">= 0"),
-        ("max_grad_norm", args.max_grad_norm > 0, "> 0"),
-        ("target_kl", args.target_kl is None or args.target_kl > 0, "> 0"),
-    ):
-        if not (ok and math.isfinite(getattr(args, name) or 0.0)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    if args.env_id not in ENVS:
-        raise UsageError(f"unknown --env-id {args.env_id!r}; choose one of {', '.join(ENVS)}")
-    return validate_run_flags(args)
-
-
-def validate_run_flags(args) -> torch.device:
-    """The checks of the run-management flags, the same in all five scripts; returns the device."""
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {args.device!r}; use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+def check_run_flags(args) -> torch.device:
+    """Reject bad run-management flags in one line (UsageError) before anything is built; return the device."""
+    names = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
+    check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {"device": (
+        args.device.split(":")[0] in ("cpu", "cuda"), "cpu or cuda")})  # fmt: skip
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {args.device} is not supported; use cpu or cuda")
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
-    if getattr(args, "compile", False) and device.type == "cpu" and not shutil.which(compiler):
-        raise UsageError("--compile on the CPU needs a C++ compiler (torch.compile builds C++ kernels): "
-                         "install g++ (or set CXX), or leave out --compile")  # fmt: skip
-    for flag, module, pin in (("capture_video", "moviepy", "moviepy==2.2.1"), ("track", "wandb", "wandb==0.31.0")):
-        if getattr(args, flag):
-            try:
-                __import__(module)
-            except ImportError:
-                raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}") from None
-    if args.checkpoint_interval < 0:
-        raise UsageError(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
-    if args.eval_only != bool(args.load_model):
+    if getattr(args, "compile", False) and args.device == "cpu" and not shutil.which(compiler):
+        raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")
+    for flag, module, pin in (("capture_video", "imageio", "imageio==2.38.1"), ("track", "wandb", "wandb==0.31.0")):
+        if getattr(args, flag) and importlib.util.find_spec(module) is None:
+            raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}")
+    if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
         raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
-    if args.resume and args.eval_only:
-        raise UsageError("--resume trains on; to evaluate a checkpoint use --eval-only --load-model")
     if args.load_model:
         read_checkpoint(args.load_model, flag="--load-model")  # there, readable, and not another script's
-    if args.resume:
-        saved = read_checkpoint(args.resume)["args"]
-        for name, value in saved.items():
-            if name not in RESUMABLE_CHANGES and getattr(args, name, value) != value:
-                raise UsageError(f"--resume: --{name.replace('_', '-')} {getattr(args, name)} differs from the "
-                                 f"checkpoint's {value}; only --total-timesteps, --target-return and the "
-                                 "run-management flags may change")  # fmt: skip
-    return device
-
-
-def checkpoint_file(path: str) -> str:
-    """A run folder's checkpoint.pt, or `path` itself."""
-    return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    if args.resume:  # one rule: the algorithm's flags, those before --total-timesteps in Args, are the checkpoint's
+        saved, names = read_checkpoint(args.resume), list(Args.__dataclass_fields__)
+        changed = [n for n in names[: names.index("total_timesteps")] if getattr(args, n) != saved["args"].get(n)]
+        for name, value in [(n, getattr(args, n)) for n in changed[:1]]:
+            raise UsageError(f"--resume: --{name.replace('_', '-')} {value} differs from the checkpoint's "
+                             f"{saved['args'].get(name)}; only flags from --total-timesteps on may change")  # fmt: skip
+        if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
+            raise UsageError(
+                f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun processes; resume with as many"
+            )
+    return torch.device(args.device)
 
 
 def read_checkpoint(path: str, flag: str = "--resume") -> dict:
-    """The checkpoint at `path` (with --load-model also a saved model), loaded to the CPU as plain data
-    (weights_only: loading cannot run code); UsageError if it is missing, unreadable or another script's."""
-    file, script = checkpoint_file(path), os.path.basename(__file__)
+    """The checkpoint at `path` (or `path`/checkpoint.pt; a saved model too with --load-model) as plain data on the
+    CPU (weights_only: loading runs no code), with its "file"; UsageError if missing, unreadable or another script's."""
+    file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
     if not os.path.isfile(file):
         raise UsageError(f"{flag} {path}: no such file")
     try:
@@ -1152,107 +1014,57 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
         raise UsageError(f"{flag} {file} is not a readable checkpoint ({str(e).splitlines()[0][:80]})") from None
     if not isinstance(saved, dict) or saved.get("script", script) != script:
         raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
-    if flag == "--resume" and "iteration" not in saved:
+    if flag == "--resume" and "counters" not in saved:
         raise UsageError(f"--resume {file} holds weights only; evaluate them with --eval-only --load-model")
-    return saved
-
-
-def rng_state(device: torch.device) -> dict:
-    """torch's global random state (and CUDA's on `device`) and numpy's, for a checkpoint."""
-    key, pos, has_gauss, gauss = np.random.get_state()[1:]
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": (torch.from_numpy(key.astype(np.int64)), pos,
-            has_gauss, gauss)}  # fmt: skip
-
-
-def set_rng_state(saved: dict, device: torch.device) -> None:
-    torch.set_rng_state(saved["torch"])
-    if saved["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(saved["cuda"], device)
-    key, pos, has_gauss, gauss = saved["numpy"]
-    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
-
-
-def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    """The mean of `value` over the torchrun ranks (itself in a single process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    total = value.detach().clone()
-    dist.all_reduce(total)
-    return total / dist.get_world_size()
-
-
-def average_gradients(module: nn.Module) -> None:
-    """Data parallel under torchrun: each gradient becomes its mean over the ranks, in one all-reduce of
-    all of them flattened together. Nothing to do in a single process."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat)
-    for grad, mean in zip(grads, (flat / dist.get_world_size()).split([g.numel() for g in grads])):
-        grad.copy_(mean.view_as(grad))
+    return saved | {"file": file}
 
 
 def join_process_group(args, device: torch.device) -> torch.device:
-    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, Gloo on the CPU; a collective
-    that waits 5 minutes for a lost rank fails instead of hanging) and return this rank's device, GPU
-    LOCAL_RANK on CUDA. In a single process: the device unchanged."""
+    """Under torchrun: join the process group (NCCL on CUDA, Gloo on the CPU; a collective waiting 5 minutes for a
+    lost rank fails rather than hangs) and return this rank's device (GPU LOCAL_RANK on CUDA)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
-    script = os.path.basename(sys.argv[0])
-    if not DATA_PARALLEL:
-        raise UsageError(f"{script} does not run under torchrun yet: run it as one process")
     if getattr(args, "compile", False):
         raise UsageError("--compile does not run under torchrun yet: leave out --compile")
     local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if device.type == "cuda":
         if torch.cuda.device_count() < local_size:
             raise UsageError(f"{local_size} processes per machine need as many GPUs; {torch.cuda.device_count()} found")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device := torch.device("cuda", local_rank))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
     return device
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere, all cores)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def parse_args() -> Args:
-    """tyro's command line, with its parse errors turned into one `error: ...` line and exit code 2 like ours."""
-    flags = ["--" + field.replace("_", "-") for field in Args.__dataclass_fields__]
-
-    def one_line(event) -> None:  # tyro calls this instead of printing its error box
-        flag = "/".join(event.argument.lowered.name_or_flags) if getattr(event, "argument", None) else "arguments"
-        if hasattr(event, "choices"):
-            raise UsageError(f"unknown {flag} {event.value!r}; choose one of {', '.join(event.choices)}")
-        if hasattr(event, "tokens"):
-            guesses = [g for t in event.tokens for g in difflib.get_close_matches(t.split("=")[0], flags, n=1)]
-            hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
-            raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
-        reason = str(getattr(event, "reason", None) or getattr(event, "message", type(event).__name__))
-        raise UsageError(f"{flag}: {reason.splitlines()[0].replace('too_few_values', 'expects a value')}")
-
-    with tyro._errors.on_parse_error(one_line):
-        args = tyro.cli(Args)
-        if args.resume:  # once more, the flags left out taking the checkpoint's values
-            saved = read_checkpoint(args.resume)["args"]
-            args = tyro.cli(Args, default=Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}))
-    return args
+    """tyro's command line, its error box made one `error: ...` line; with --resume, flags left out keep their value."""
+    argv, default = sys.argv[1:], tyro.MISSING_NONPROP
+    resume = [value for flag, value in zip(argv, argv[1:]) if flag == "--resume"]
+    resume += [flag.split("=", 1)[1] for flag in argv if flag.startswith("--resume=")]
+    if resume and resume[-1] != "None":
+        saved = read_checkpoint(resume[-1])["args"]
+        default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(Args, default=default)
+    except SystemExit as e:
+        if e.code != 2:  # --help
+            raise
+        rows = [row.strip("│ ") for row in box.getvalue().splitlines()[1:]]  # the box's text, its frame dropped
+        message = " ".join(row for row in rows[: next(i for i, r in enumerate(rows) if r.startswith("─"))] if row)
+        hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
+        raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
 
 
 def main() -> None:
     try:
         args = parse_args()
-        device = join_process_group(args, validate(args))
+        device = join_process_group(args, check_run_flags(args))
         if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
-            per_rank = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
-        train(args if device.type == "cpu" else replace(args, device=str(device)))
+        train(replace(args, device=str(device)))
         if dist.is_initialized():
             dist.barrier()  # every rank waits for rank 0's writing: leaving the group early can abort Gloo
     except UsageError as e:
@@ -1261,14 +1073,14 @@ def main() -> None:
             time.sleep(10)  # this rank when rank 0 exits; a rank still here found an error of its own
         print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
-    except NonFiniteLossError as e:
+    except FloatingPointError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
-    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (StopRequested), or a second Ctrl-C
-        signum = getattr(e, "signum", signal.SIGINT)
-        if isinstance(e, StopRequested) and dist.is_initialized():
+    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
+        signum = e.args[0] if e.args else signal.SIGINT
+        if e.args and dist.is_initialized():
             dist.barrier()  # all ranks stopped together: wait for rank 0's writing
         if int(os.environ.get("RANK", "0")) == 0:
-            written = "a checkpoint, logs" if isinstance(e, StopRequested) else "logs"  # not mid-iteration
+            written = "a checkpoint, logs" if e.args else "logs"  # not mid-iteration
             print(f"interrupted by {signal.Signals(signum).name}: {written} and summary.json written (and the model, "
                   "with --save-model)", file=sys.stderr)  # fmt: skip
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
