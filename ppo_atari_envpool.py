@@ -637,7 +637,13 @@ class Run:
     def __init__(self, args):
         self.args, self.saved = args, read_checkpoint(args.resume) if args.resume else None
         name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        self.dir = os.path.join("runs", name) if not args.resume else os.path.dirname(self.saved["file"]) or "."
+        self.dir = (
+            os.path.join("runs", name)
+            if not args.resume
+            else args.resume
+            if os.path.isdir(args.resume)
+            else (os.path.dirname(args.resume) or ".")
+        )
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         # the run's progress, checkpointed as is; "seconds" and "timed_steps" leave out set-up and compilation
         self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, solved_step=None,
@@ -840,6 +846,9 @@ class Run:
 
 def result_line(s: dict, run_dir: str) -> str:
     """summary.json in a line."""
+    if s["status"] == "evaluated":
+        mean, n = s["eval_mean_return"] or math.nan, len(s["eval_returns"] or [])
+        return f"evaluated: mean return {mean:.1f} over {n} episodes; outputs in {run_dir}"
     solved, threshold, mean = s["solved_at_step"], s["solved_threshold"], s["mean_return_last_100"]
     line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps'] or 0:,.0f} SPS)"
     line += f"; mean return of the last 100 episodes {mean:.1f}" if mean is not None else ""
@@ -884,7 +893,7 @@ def check_run_flags(args) -> torch.device:
 
 def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     """The checkpoint at `path` (or `path`/checkpoint.pt; a saved model too with --load-model) as plain data on the
-    CPU (weights_only: loading runs no code), with its "file"; UsageError if missing, unreadable or another script's."""
+    CPU (weights_only: loading runs no code); UsageError if it is missing, unreadable or another script's."""
     file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
     if not os.path.isfile(file):
         raise UsageError(f"{flag} {path}: no such file")
@@ -896,7 +905,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
         raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
     if flag == "--resume" and "counters" not in saved:
         raise UsageError(f"--resume {file} holds weights only; evaluate them with --eval-only --load-model")
-    return saved | {"file": file}
+    return saved
 
 
 def join_process_group(args, device: torch.device) -> torch.device:
@@ -930,8 +939,9 @@ def parse_args() -> Args:
     except SystemExit as e:
         if e.code != 2:  # --help
             raise
-        rows = [row.strip("│ ") for row in box.getvalue().splitlines()[1:]]  # the box's text, its frame dropped
-        message = " ".join(row for row in rows[: next(i for i, r in enumerate(rows) if r.startswith("─"))] if row)
+        rows = [row.strip("│|╭╮╰╯ ") for row in box.getvalue().splitlines()]  # a unicode or an ASCII box
+        rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
+        message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
         hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
         raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
 

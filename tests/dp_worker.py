@@ -43,11 +43,9 @@ def updated(name: str, batch) -> dict:
     agent = A.Agent(4) if name == "atari" else B.Agent(3, 2)
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
     flags = dict(norm_adv=False, num_minibatches=1, update_epochs=2)
-    if name == "atari":
-        A.update(agent, optimizer, batch, A.Args(**flags))
-    else:  # Brax's update takes its gradient step as CartPole's does (eager here, or compiled with --compile)
-        args = B.Args(**flags)
-        B.update(functools.partial(B.gradient_step, agent, optimizer, B.ppo_loss, args), batch, args)
+    module = A if name == "atari" else B  # both take the eager gradient step of CartPole's PPO
+    args = module.Args(**flags)
+    module.update(functools.partial(module.gradient_step, agent, optimizer, module.ppo_loss, args), batch, args)
     return agent.state_dict()
 
 

@@ -114,12 +114,11 @@ def test_bf16_trunk_is_close_to_float32_and_heads_stay_float32():
 def test_bf16_is_refused_without_bf16_hardware(fast, monkeypatch, capsys):
     """Emulated bf16 ran 6.5x slower on an AVX2 EPYC: without the hardware --bf16 is one error line."""
     monkeypatch.setattr(A, "has_fast_bf16", lambda device: fast)
-    args = A.Args(bf16=True, device="cpu")
     if fast:
-        assert A.validate(args).type == "cpu"
+        assert A.Args(bf16=True, device="cpu").bf16
     else:
-        with pytest.raises(A.UsageError, match="--bf16: this CPU has no bfloat16 hardware"):
-            A.validate(args)
+        with pytest.raises(A.UsageError, match="--bf16 must be off here: no bfloat16 hardware"):
+            A.Args(bf16=True, device="cpu")
 
 
 def test_bf16_hardware_check_follows_torch_cpuinfo():
@@ -332,9 +331,7 @@ def test_evaluation_games_end_without_the_agent_pressing_fire(monkeypatch):
     pools = []
     real_make_env = A.make_env
     monkeypatch.setattr(A, "make_env", lambda *a, **k: pools.append(CountingPool(real_make_env(*a, **k))) or pools[-1])
-    run = A.Run(A.Args(env_id="Breakout-v5", eval_episodes=2, device="cpu"))
-    run.agent, run.device = agent, torch.device("cpu")
-    scores = run.evaluate()
+    scores = A.evaluate(agent, None, A.Args(env_id="Breakout-v5", eval_episodes=2, device="cpu"), video=None)
     (pool,) = pools
     assert 1 not in pool.actions and pool.steps < 2000, pool.steps  # 27000 if a game stalled
     assert len(scores) == 2 and all(s >= 0 and s == int(s) for s in scores)
@@ -360,7 +357,7 @@ def test_smoke_run_on_a_real_game(env_id, flags, tmp_path):
     assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     if "--capture-video" in flags:
         videos = sorted(os.listdir(os.path.join(run_dir, "videos")))
-        assert videos == ["evaluation.mp4", "rollout_iter00001.mp4", "rollout_iter00003.mp4"]
+        assert videos == ["evaluation.mp4", "training_iter00001.mp4", "training_iter00003.mp4"]
         # the evaluation film shows the whole game, one frame per agent step
         frames = imageio_ffmpeg.count_frames_and_secs(os.path.join(run_dir, "videos", "evaluation.mp4"))[0]
         assert frames > 700  # a game of Pong lost 0:21 lasts more than 700 agent steps
@@ -370,10 +367,14 @@ def test_smoke_run_on_a_real_game(env_id, flags, tmp_path):
 @pytest.mark.parametrize(
     "flags, hide, message",
     [
-        (["--env-id", "Foo-v5"], None, "unknown --env-id 'Foo-v5'"),
-        (["--env-id", "CartPole-v1"], None, "--env-id CartPole-v1 is not an Atari game"),
+        (["--env-id", "Foo-v5"], None, "--env-id must be an EnvPool Atari game"),
+        (
+            ["--env-id", "CartPole-v1"],
+            None,
+            "--env-id must be an EnvPool Atari game (envpool.list_all_envs(): e.g. Pong-v5), got CartPole",
+        ),
         (["--num-envs", "0"], None, "--num-envs must be positive"),
-        (["--async-envs", "--num-envs", "1"], None, "--async-envs needs --num-envs >= 2"),
+        (["--async-envs", "--num-envs", "1"], None, "--num-envs must be positive (--async-envs: at least 2), got 1"),
         (["--video-interval", "-1"], None, "--video-interval must be >= 0"),
         ([], "envpool", "needs envpool: pip install envpool==1.2.5"),
     ],

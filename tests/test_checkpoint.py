@@ -51,7 +51,7 @@ def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:
     real_log = module.Run.log
 
     def log(self, *args, **kwargs):
-        if self.iteration == iteration - 1 and not self.args.resume:
+        if self.counters["iteration"] == iteration - 1 and not self.args.resume:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_log(self, *args, **kwargs)
 
@@ -66,7 +66,7 @@ def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
     args = small_args(module)
     whole = module.train(replace(args, exp_name="whole"))
     stop_with_sigterm_at(module, monkeypatch, 3)
-    with pytest.raises(module.StopRequested):
+    with pytest.raises(KeyboardInterrupt):
         module.train(replace(args, exp_name="cut"))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Run put the handlers back
     cut = run_dir(in_tmp, "cut")
@@ -95,7 +95,8 @@ def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
     summary = read_json(os.path.join(folder, "summary.json"))
     assert summary["status"] == "interrupted" and f"--resume {os.path.relpath(folder, tmp_path)}" in out
     saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
-    assert saved["iteration"] == summary["iterations"] > 0 and saved["global_step"] == summary["total_env_steps"]
+    counters = saved["counters"]
+    assert counters["iteration"] == summary["iterations"] > 0 and counters["global_step"] == summary["total_env_steps"]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
@@ -121,7 +122,7 @@ P.train(P.Args(num_envs=32, num_steps=16, total_timesteps=32 * 16 * 10, checkpoi
     assert result.returncode == -signal.SIGKILL, result.stderr
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
-    assert saved["iteration"] == 2 and saved["script"] == "ppo_cartpole_gpu.py"
+    assert saved["counters"]["iteration"] == 2 and saved["script"] == "ppo_cartpole_gpu.py"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -139,7 +140,7 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
         result = runner(script, "--eval-only", "--load-model", model, "--eval-episodes", "4", "--capture-video",
                         "--exp-name", name, "--num-envs", "32", cwd=tmp_path)  # fmt: skip
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip().splitlines()[-1].startswith(f"evaluated {model}: mean return")
+        assert result.stdout.strip().splitlines()[-1].startswith("evaluated: mean return")
         summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
         assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
         assert summary["eval_returns"] == trained["eval_returns"]
@@ -219,7 +220,7 @@ def test_atari_resume_restores_agent_and_optimizer(in_tmp, monkeypatch):
     args = A.Args(env_id="Pong-v5", num_envs=4, num_steps=32, total_timesteps=4 * 32 * 2, progress_bar=False,
                   eval_episodes=0, device="cpu")  # fmt: skip
     saved, run = restored_state(A, args, monkeypatch)
-    assert saved["iteration"] == run.iteration == 2 and saved["ranks"][0]["envs"] is None
+    assert saved["counters"]["iteration"] == run.counters["iteration"] == 2 and saved["ranks"][0]["envs"] is None
     assert_same_state(saved["agent"], run.agent)
     assert_same_state(saved["optimizer"], run.optimizer)
 
@@ -229,7 +230,7 @@ def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tm
     args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
                   total_timesteps=16 * 10 * 2, progress_bar=False, eval_episodes=0, device="cpu")  # fmt: skip
     saved, run = restored_state(B, args, monkeypatch)
-    assert saved["iteration"] == run.iteration == 2
+    assert saved["counters"]["iteration"] == run.counters["iteration"] == 2
     assert "obs_rms.mean" in saved["agent"] and saved["agent"]["obs_rms.count"] > 1  # the normaliser is in it
     assert_same_state(saved["agent"], run.agent)
     assert_same_state(saved["optimizer"], run.optimizer)

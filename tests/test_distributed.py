@@ -36,7 +36,7 @@ def single_process_step(norm_adv: bool) -> dict:
     agent = P.Agent(4, 2)
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
     args, batch = P.Args(norm_adv=norm_adv, max_grad_norm=0.05), fixed_batch()
-    halves = [P.ppo_loss(agent, args, *(x[32 * r : 32 * (r + 1)] for x in batch))[0] for r in (0, 1)]
+    halves = [P.ppo_loss(agent, args, P.Batch(*(x[32 * r : 32 * (r + 1)] for x in batch)))[0] for r in (0, 1)]
     (sum(halves) / 2).backward()
     torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
@@ -122,7 +122,6 @@ def test_torchrun_solves_cartpole(tmp_path):
 
 
 @pytest.mark.parametrize("script, flags, message", [
-    ("vpg.py", [], "vpg.py does not run under torchrun yet"),
     ("ppo_cartpole_gpu.py", ["--compile"], "--compile does not run under torchrun yet"),
 ])  # fmt: skip
 def test_unsupported_torchrun_setups_fail_with_one_line(tmp_path, script, flags, message):
@@ -144,10 +143,10 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     summary = read_json(os.path.join(run_dir, "summary.json"))
     saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert summary["status"] == "interrupted" and summary["world_size"] == 2
-    assert saved["iteration"] == summary["iterations"] > 0 and len(saved["ranks"]) == 2
+    assert saved["counters"]["iteration"] == summary["iterations"] > 0 and len(saved["ranks"]) == 2
     assert not torch.equal(saved["ranks"][0]["envs"]["state"], saved["ranks"][1]["envs"]["state"])
     more = str(summary["total_env_steps"] + 2 * 32 * 16 * 3)  # three more iterations
     result = torchrun(script, "--resume", run_dir, "--total-timesteps", more, "--eval-episodes", "0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_json(os.path.join(run_dir, "summary.json"))
-    assert summary["status"] == "completed" and summary["iterations"] == saved["iteration"] + 3
+    assert summary["status"] == "completed" and summary["iterations"] == saved["counters"]["iteration"] + 3

@@ -32,13 +32,13 @@ def test_loss_is_minus_mean_logprob_times_normalised_return():
     agent = R.Agent(4, 2)
     obs, actions, returns = torch.randn(50, 4), torch.randint(0, 2, (50,)), torch.randn(50) * 3 + 1
     args = R.Args(normalize_returns=True, ent_coef=0.0)
-    loss, stats = R.reinforce_loss(agent, args, obs, actions, returns)
+    loss, stats = R.reinforce_loss(agent, args, R.Batch(obs, actions, returns))
     logp = torch.distributions.Categorical(logits=agent.actor(obs)).log_prob(actions)
     expected = -(logp * (returns - returns.mean()) / returns.std(correction=0)).mean()
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
     assert set(stats) == {"losses/policy_loss", "losses/entropy", "losses/total_loss"}
     torch.testing.assert_close(stats["losses/total_loss"], expected.detach(), atol=1e-5, rtol=1e-5)
-    raw, _ = R.reinforce_loss(agent, R.Args(normalize_returns=False), obs, actions, returns)
+    raw, _ = R.reinforce_loss(agent, R.Args(normalize_returns=False), R.Batch(obs, actions, returns))
     torch.testing.assert_close(raw, -(logp * returns).mean(), atol=1e-6, rtol=1e-6)
 
 
@@ -58,7 +58,7 @@ def record(monkeypatch, args: R.Args):
         return *phases, lambda batch, idx=None: batches.append(batch) or gradient_step(batch, idx)
 
     def recording_log(run, env_steps, stats, rollout):
-        ended, returns, lengths = run.finished_episodes(rollout)
+        ended, returns, lengths = R.finished_episodes(rollout)
         logs.append((env_steps, returns[ended].clone(), lengths[ended].clone()))
         return log(run, env_steps, stats, rollout)
 
@@ -124,5 +124,5 @@ def test_trained_and_logged_episodes_are_unbiased(in_tmp, monkeypatch):
 
 
 def test_num_steps_below_the_episode_limit_is_refused():
-    with pytest.raises(R.UsageError, match="below the episode limit 500"):
-        R.validate(R.Args(num_steps=100))
+    with pytest.raises(R.UsageError, match="--num-steps 100 is below the episode limit 500"):
+        R.train(R.Args(num_steps=100, progress_bar=False, device="cpu"))

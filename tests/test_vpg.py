@@ -28,7 +28,7 @@ def test_first_use_equals_plain_vpg_loss_and_gradient():
     args = V.Args(ent_coef=0.01, clip_coef=0.2)
     with torch.no_grad():
         old_logprobs, _, _ = agent(obs, actions)  # as after a rollout: pi_old = pi
-    loss, stats = V.vpg_loss(agent, args, obs, actions, old_logprobs, advantages, returns)
+    loss, stats = V.vpg_loss(agent, args, V.Batch(obs, actions, old_logprobs, advantages, returns, None))
     expected = plain_vpg_loss(agent, args, obs, actions, advantages, returns)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
     assert stats["losses/approx_kl"].item() == 0.0  # approx KL of pi against itself
@@ -47,11 +47,11 @@ def test_later_uses_are_importance_weighted_and_clipped():
         logprobs, _, _ = agent(obs, actions)
     old_logprobs = logprobs + torch.linspace(-1.0, 1.0, len(logprobs))  # pi/pi_old from e^-1 to e^1
     args = V.Args(norm_adv=False, ent_coef=0.0, vf_coef=0.0, clip_coef=0.2)
-    loss, _ = V.vpg_loss(agent, args, obs, actions, old_logprobs, advantages, returns)
+    loss, _ = V.vpg_loss(agent, args, V.Batch(obs, actions, old_logprobs, advantages, returns, None))
     weights = (logprobs - old_logprobs).exp().clamp(0.8, 1.2)
     torch.testing.assert_close(loss, -(weights * logprobs * advantages).mean(), atol=1e-6, rtol=1e-6)
     unclipped, _ = V.vpg_loss(agent, V.Args(norm_adv=False, ent_coef=0.0, vf_coef=0.0, clip_coef=None),
-                              obs, actions, old_logprobs, advantages, returns)  # fmt: skip
+                              V.Batch(obs, actions, old_logprobs, advantages, returns, None))  # fmt: skip
     torch.testing.assert_close(unclipped, -((logprobs - old_logprobs).exp() * logprobs * advantages).mean())
     assert not torch.isclose(loss, unclipped)
 
