@@ -877,9 +877,10 @@ class Run:
         c["iteration"] += 1
         episodes = torch.stack([x.flatten().float() for x in finished_episodes(rollout)])  # (ended, return, length)
         head = torch.tensor([env_steps, self.stop_signal], dtype=torch.float32, device=self.device)
-        ranks = [torch.cat((head, torch.stack(list(stats.values())).float(), episodes.flatten())).cpu().numpy()]
-        if self.world_size > 1:  # the iteration's one host read, above; then every rank's numbers to every rank
-            dist.all_gather_object(ranks := [None] * self.world_size, ranks[0])
+        mine = torch.cat((head, torch.stack(list(stats.values())).float(), episodes.flatten())).cpu().numpy()
+        ranks = [mine]  # the iteration's one host read, above; under torchrun every rank's numbers to every rank
+        if self.world_size > 1:
+            dist.all_gather_object(ranks := [None] * self.world_size, mine)
         steps, stop_signal = int(sum(r[0] for r in ranks)), int(max(r[1] for r in ranks))
         values = dict(zip(stats, np.mean([r[2:k] for r in ranks], axis=0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
@@ -930,9 +931,9 @@ class Run:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None
-        ranks = [{"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
-            dist.gather_object(ranks[0], ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
+            dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.rank == 0:
             checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks}

@@ -3,7 +3,8 @@
 
 1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
    without per-minibatch advantage normalisation.
-2. A few iterations of `train()` (16 envs x 8 steps per rank): the weights every rank ends with.
+2. A few iterations of `train()` (16 envs per rank) of ppo_cartpole_gpu.py, vpg.py and reinforce.py: the weights
+   every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
 4. `update` of ppo_atari_envpool.py and of ppo_mujoco_brax.py on this rank's half of a fixed batch.
 """
@@ -19,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_atari_envpool as A  # noqa: E402
 import ppo_cartpole_gpu as P  # noqa: E402
 import ppo_mujoco_brax as B  # noqa: E402  (torch only: JAX is imported when a Brax env is built)
+import reinforce as R  # noqa: E402
+import vpg as V  # noqa: E402
 
 
 def fixed_batch(n: int = 64) -> P.Batch:
@@ -71,6 +74,10 @@ def main(out: str) -> None:
                   progress_bar=False, device="cpu")  # fmt: skip
     agent = P.train(args)
     torch.save(agent.state_dict(), os.path.join(out, f"train_rank{rank}.pt"))
+    for module, steps in ((V, 8), (R, 500)):  # VPG and REINFORCE run data parallel too
+        args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
+                           eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip
+        torch.save(module.train(args).state_dict(), os.path.join(out, f"train_{module.__name__}_rank{rank}.pt"))
     dist.barrier()  # as the scripts' main: nobody leaves the group before rank 0 has written
     dist.destroy_process_group()
 

@@ -123,7 +123,7 @@ def test_bf16_is_refused_without_bf16_hardware(fast, monkeypatch, capsys):
 
 def test_bf16_hardware_check_follows_torch_cpuinfo():
     expected = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    assert A.has_fast_bf16(torch.device("cpu")) == expected
+    assert A.has_fast_bf16("cpu") == expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +232,7 @@ def test_collect_rollout_fills_each_envs_column_in_order_and_parks_in_async_mode
 def test_rollout_keeps_each_envs_steps_in_order_and_masks_reset_steps(async_envs, in_tmp, monkeypatch):
     num_envs, num_steps, period = 6, 16, 7
     monkeypatch.setattr(A, "make_env", fake_make_env(period))
+    monkeypatch.setattr(A, "is_atari_game", lambda env_id: True)
     rollouts, samples = [], []
     real_gae, real_loss = A.compute_gae, A.ppo_loss
 
@@ -239,9 +240,9 @@ def test_rollout_keeps_each_envs_steps_in_order_and_masks_reset_steps(async_envs
         rollouts.append((rewards.clone(), terminated.clone(), dones.clone()))
         return real_gae(rewards, values, next_values, terminated, dones, *rest)
 
-    def recorded_loss(agent, args, obs, *rest):
-        samples.append(len(obs))
-        return real_loss(agent, args, obs, *rest)
+    def recorded_loss(agent, args, batch):
+        samples.append(len(batch.obs))
+        return real_loss(agent, args, batch)
 
     monkeypatch.setattr(A, "compute_gae", recorded_gae)
     monkeypatch.setattr(A, "ppo_loss", recorded_loss)
@@ -281,16 +282,17 @@ def test_every_trained_row_starts_the_update_at_ratio_one(async_envs, in_tmp, mo
     carry more rows over: all were acted on before the update in between. Their stored log-probs must be
     the policy's at the start of the next update, like every other row's (the PPO ratio starts at 1)."""
     monkeypatch.setattr(A, "make_env", fake_make_env(period=5))
+    monkeypatch.setattr(A, "is_atari_game", lambda env_id: True)
     real_loss, calls, stale, rows = A.ppo_loss, [0], [], []
 
-    def checked_loss(agent, args, obs, actions, old_logprobs, *rest):
+    def checked_loss(agent, args, batch):
         if calls[0] % args.update_epochs == 0:  # an update's first step (one minibatch an epoch): the policy is π_old
             with torch.no_grad():
-                now = agent.evaluate(obs, actions)[0]
-            stale.append(int(((now - old_logprobs).abs() > 1e-5).sum()))
-            rows.append(len(obs))
+                now = agent.evaluate(batch.obs, batch.actions)[0]
+            stale.append(int(((now - batch.logprobs).abs() > 1e-5).sum()))
+            rows.append(len(batch.obs))
         calls[0] += 1
-        return real_loss(agent, args, obs, actions, old_logprobs, *rest)
+        return real_loss(agent, args, batch)
 
     monkeypatch.setattr(A, "ppo_loss", checked_loss)
     args = A.Args(env_id="Fake-v5", num_envs=6, num_steps=8, total_timesteps=6 * 8 * 10, num_minibatches=1,

@@ -114,3 +114,39 @@ def test_compiled_defaults_solve_cartpole(name, in_tmp):
     assert summary["solved_at_step"] is not None and summary["solved_at_step"] <= 400_000, summary
     assert summary["eval_mean_return"] >= 475
     assert summary["mean_sps"] * summary["wall_seconds"] < summary["total_env_steps"]  # iteration 1 not counted
+
+
+def test_a_loss_may_call_any_agent_method_compiled_too():
+    """The compiled gradient step hands the loss the real Agent (its parameters swapped in by functional_call), so a
+    loss that calls `agent.get_value` takes the same step compiled as eagerly."""
+    mod = import_script("ppo_cartpole_gpu")
+
+    def loss_fn(agent, args, batch):  # PPO's loss plus a term through another method of the agent
+        loss, stats = mod.ppo_loss(agent, args, batch)
+        return loss + 0.1 * agent.get_value(batch.obs).square().mean(), stats
+
+    torch.manual_seed(0)
+    agent, args = mod.Agent(4, 2), mod.Args()
+    twin = copy.deepcopy(agent)
+    opt, twin_opt = (torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5) for a in (agent, twin))
+    batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
+                      torch.randn(32), torch.randn(32))  # fmt: skip
+    compiled = torch.compile(mod.functional_gradient_step(agent, opt, loss_fn, args), fullgraph=True)
+    compiled(torch.tensor(1e-2), batch)
+    mod.gradient_step(twin, twin_opt, loss_fn, args, batch)
+    for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p, lr=1e-3),
+    lambda p: torch.optim.SGD(p, lr=1e-3),
+    lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=1e-4),
+])  # fmt: skip
+def test_compile_refuses_an_optimizer_it_would_not_follow(make):
+    """The compiled step writes plain Adam out: another optimizer (or Adam's weight decay) is one clear error at
+    start, not a silently different update (AdamW losing its decay) or a crash (SGD has no moments)."""
+    mod = import_script("ppo_cartpole_gpu")
+    agent = mod.Agent(4, 2)
+    with pytest.raises(mod.UsageError, match="--compile writes out plain Adam's update, not"):
+        mod.functional_gradient_step(agent, make(agent.parameters()), mod.ppo_loss, mod.Args())
