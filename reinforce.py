@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import io
 import json
@@ -53,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import tyro
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
 
 
 @dataclass
@@ -698,20 +701,13 @@ class UsageError(Exception):
 
 
 class Run:
-    """The run folder runs/{env_id}__{exp_name}__{seed}__{time} and all in it: TensorBoard (W&B with --track), videos,
-    checkpoints, the model, summary.json; the progress bar, --resume, SIGINT/SIGTERM, the NaN stop and the evaluation.
-    `with Run(args) as run:`, `run.start(...)`, `if run.log(...): break` each iteration; the exit writes it all."""
+    """The run folder runs/{env_id}__{exp_name}__{seed}__{time} and all in it (TensorBoard, W&B with --track, videos,
+    checkpoints, model, summary.json), the progress bar, --resume, signals, the NaN stop and the final evaluation."""
 
     def __init__(self, args):
         self.args, self.saved = args, read_checkpoint(args.resume) if args.resume else None
-        name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        self.dir = (
-            os.path.join("runs", name)
-            if not args.resume
-            else args.resume
-            if os.path.isdir(args.resume)
-            else (os.path.dirname(args.resume) or ".")
-        )
+        resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
+        self.dir = resumed or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         # the run's progress, checkpointed as is; "seconds" and "timed_steps" leave out set-up and compilation
         self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, solved_step=None,
@@ -725,10 +721,8 @@ class Run:
         return self
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
-        """Training begins: outputs open, the clock starts. --resume restores all the checkpoint holds (`stateful`:
-        more objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
-        from torch.utils.tensorboard import SummaryWriter
-
+        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: more
+        objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
         if self.args.load_model:
@@ -754,19 +748,15 @@ class Run:
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
         if self.rank == 0:
             if self.args.track:
-                import wandb
-
-                self.wandb = wandb
-                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
-                           config=asdict(self.args), name=os.path.basename(self.dir), resume="allow",
-                           id=self.saved and self.saved["wandb_id"])  # fmt: skip
+                self.wandb = importlib.import_module("wandb")
+                self.wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, resume="allow",
+                                config=asdict(self.args), name=os.path.basename(self.dir), sync_tensorboard=True,
+                                id=self.saved and self.saved["wandb_id"])  # fmt: skip
             # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
             self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
             table = "".join(f"\n|{key}|{value}|" for key, value in asdict(self.args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|" + table)
-            if self.args.progress_bar and not self.args.eval_only:
-                from tqdm import tqdm  # its ETA tells how long the run takes
-
+            if self.args.progress_bar and not self.args.eval_only:  # its ETA tells how long the run takes
                 self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True)
         if total_steps < 0.99 * self.args.total_timesteps and not self.args.eval_only:  # not for 5M -> 4,999,168
             self.note(f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: "
@@ -779,20 +769,18 @@ class Run:
 
     def request_stop(self, signum: int, frame) -> None:
         """SIGINT/SIGTERM: stop at the end of this iteration, with a checkpoint; a second Ctrl-C stops at once."""
-        if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt
-        if not self.stop_signal:
-            self.stop_signal = signum
-            self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
+        self.stop_signal = self.stop_signal or signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
+        self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
         if self.rank == 0:
-            (self.progress.write if self.progress is not None else print)(f"note: {message}", file=sys.stderr)
+            tqdm.write(f"note: {message}", file=sys.stderr)
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
-        """One iteration's logs from one host read (under torchrun shared: the ranks decide alike), videos, checkpoints;
-        FloatingPointError on a NaN loss, KeyboardInterrupt(signal) after a signal; True once the target is reached."""
+        """One iteration's logs, videos and checkpoint from one host read (shared by the torchrun ranks: they decide
+        alike); FloatingPointError on a NaN loss, KeyboardInterrupt(signal) after a signal; True once at the target."""
         c, k = self.counters, 2 + len(stats)
         c["iteration"] += 1
         episodes = torch.stack([x.flatten().float() for x in finished_episodes(rollout)])  # (ended, return, length)
@@ -810,7 +798,7 @@ class Run:
         if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
             raise FloatingPointError(f"non-finite loss at iteration {c['iteration']} (env step {c['global_step']})")
         now = time.perf_counter()
-        if getattr(self.args, "compile", False) and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
+        if self.args.compile and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
             self.note(f"--compile: iteration {c['iteration']} took {now - self.clock:.1f} s (compilation), not counted")
             self.setup_seconds += now - self.clock
         else:
@@ -909,36 +897,29 @@ class Run:
         self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-        print(result_line(s, self.dir))  # last, after W&B's own summary
+        numbers = [(key, s[key]) for key in ("total_env_steps", "wall_seconds", "mean_sps", "mean_return_last_100",
+                                             "solved_at_step", "eval_mean_return") if s[key] is not None]  # fmt: skip
+        resume = f"; go on with --resume {self.dir}" if status == "interrupted" and self.checkpointed >= 0 else ""
+        line = ", ".join(
+            f"{key} {value:,.1f}" if isinstance(value, float) else f"{key} {value:,}" for key, value in numbers
+        )
+        print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
         return False  # exceptions go on to main
-
-
-def result_line(s: dict, run_dir: str) -> str:
-    """summary.json in a line."""
-    if s["status"] == "evaluated":
-        mean, n = s["eval_mean_return"] or math.nan, len(s["eval_returns"] or [])
-        return f"evaluated: mean return {mean:.1f} over {n} episodes; outputs in {run_dir}"
-    solved, threshold, mean = s["solved_at_step"], s["solved_threshold"], s["mean_return_last_100"]
-    line = f"{s['status']}: {s['total_env_steps']:,} steps in {s['wall_seconds']:.1f} s ({s['mean_sps'] or 0:,.0f} SPS)"
-    line += f"; mean return of the last 100 episodes {mean:.1f}" if mean is not None else ""
-    line += f", reached {threshold:g} at step {solved:,} ({s['solved_at_seconds']:.1f} s)" if solved is not None else ""
-    line += f", did not reach {threshold:g}" if threshold is not None and solved is None else ""
-    line += (
-        f"; evaluation {s['eval_mean_return']:.1f} over {len(s['eval_returns'])} episodes" if s["eval_returns"] else ""
-    )
-    resume = s["status"] == "interrupted" and os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
-    return line + f"; outputs in {run_dir}" + (f"; go on with --resume {run_dir}" if resume else "")
 
 
 def check_run_flags(args) -> torch.device:
     """Reject bad run-management flags in one line (UsageError) before anything is built; return the device."""
-    names = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
-    check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {"device": (
-        args.device.split(":")[0] in ("cpu", "cuda"), "cpu or cuda")})  # fmt: skip
+    names, torchrun = (
+        ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval"),
+        "LOCAL_RANK" in os.environ,
+    )
+    check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {
+        "device": (args.device.split(":")[0] in ("cpu", "cuda"), "cpu or cuda"),
+        "compile": (not (args.compile and torchrun), "off under torchrun (for now)")})  # fmt: skip
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
-    if getattr(args, "compile", False) and args.device == "cpu" and not shutil.which(compiler):
+    if args.compile and args.device == "cpu" and not shutil.which(compiler):
         raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")
     for flag, module, pin in (("capture_video", "imageio", "imageio==2.38.1"), ("track", "wandb", "wandb==0.31.0")):
         if getattr(args, flag) and importlib.util.find_spec(module) is None:
@@ -954,15 +935,12 @@ def check_run_flags(args) -> torch.device:
             raise UsageError(f"--resume: --{name.replace('_', '-')} {value} differs from the checkpoint's "
                              f"{saved['args'].get(name)}; only flags from --total-timesteps on may change")  # fmt: skip
         if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
-            raise UsageError(
-                f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun processes; resume with as many"
-            )
+            raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
     return torch.device(args.device)
 
 
 def read_checkpoint(path: str, flag: str = "--resume") -> dict:
-    """The checkpoint at `path` (or `path`/checkpoint.pt; a saved model too with --load-model) as plain data on the
-    CPU (weights_only: loading runs no code); UsageError if it is missing, unreadable or another script's."""
+    """The checkpoint at `path` (or `path`/checkpoint.pt; with --load-model a model too) as plain data, on the CPU."""
     file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
     if not os.path.isfile(file):
         raise UsageError(f"{flag} {path}: no such file")
@@ -978,12 +956,9 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
 
 
 def join_process_group(args, device: torch.device) -> torch.device:
-    """Under torchrun: join the process group (NCCL on CUDA, Gloo on the CPU; a collective waiting 5 minutes for a
-    lost rank fails rather than hangs) and return this rank's device (GPU LOCAL_RANK on CUDA)."""
+    """Under torchrun: join the process group (a collective waiting 5 minutes fails); this rank's device."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
-    if getattr(args, "compile", False):
-        raise UsageError("--compile does not run under torchrun yet: leave out --compile")
     local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if device.type == "cuda":
         if torch.cuda.device_count() < local_size:
@@ -1038,10 +1013,10 @@ def main() -> None:
         signum = e.args[0] if e.args else signal.SIGINT
         if e.args and dist.is_initialized():
             dist.barrier()  # all ranks stopped together: wait for rank 0's writing
-        if int(os.environ.get("RANK", "0")) == 0:
-            written = "a checkpoint, logs" if e.args else "logs"  # not mid-iteration
-            print(f"interrupted by {signal.Signals(signum).name}: {written} and summary.json written (and the model, "
-                  "with --save-model)", file=sys.stderr)  # fmt: skip
+        if int(os.environ.get("RANK", "0")) == 0:  # a checkpoint only at the end of an iteration
+            print(
+                f"interrupted by {signal.Signals(signum).name}" + ", with a checkpoint" * bool(e.args), file=sys.stderr
+            )
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
         if dist.is_initialized():

@@ -140,7 +140,10 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
         result = runner(script, "--eval-only", "--load-model", model, "--eval-episodes", "4", "--capture-video",
                         "--exp-name", name, "--num-envs", "32", cwd=tmp_path)  # fmt: skip
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip().splitlines()[-1].startswith("evaluated: mean return")
+        assert (
+            result.stdout.strip().splitlines()[-1].startswith("evaluated: total_env_steps 0, ")
+            and "eval_mean_return" in result.stdout
+        )
         summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
         assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
         assert summary["eval_returns"] == trained["eval_returns"]
