@@ -656,14 +656,15 @@ class Run:
         """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: more
         objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
+        a = self.args
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
-        if self.args.load_model:
-            saved = read_checkpoint(self.args.load_model, flag="--load-model")
+        if a.load_model:
+            saved = read_checkpoint(a.load_model, flag="--load-model")
             try:  # a checkpoint's agent, or a saved model
                 agent.load_state_dict(saved.get("agent", saved))
             except RuntimeError as e:
                 message = str(e).splitlines()[-1].strip()
-                raise UsageError(f"--load-model {self.args.load_model} does not fit this agent: {message}") from None
+                raise UsageError(f"--load-model {a.load_model} does not fit this agent: {message}") from None
         if self.saved is not None:  # --resume: all that `save_checkpoint` wrote, back in place
             for name, obj in self.stateful.items():
                 obj.load_state_dict(self.saved[name])
@@ -673,26 +674,24 @@ class Run:
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
-            new = ", the envs not in it: new episodes" if mine["envs"] is None else ""
-            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{new}")
+            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])  # else: new episodes
+            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
         if self.rank == 0:
-            if self.args.track:
+            if a.track:
                 self.wandb = importlib.import_module("wandb")
-                self.wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, resume="allow",
-                                config=asdict(self.args), name=os.path.basename(self.dir), sync_tensorboard=True,
+                self.wandb.init(project=a.wandb_project_name, entity=a.wandb_entity, config=asdict(a), resume="allow",
+                                name=os.path.basename(self.dir), sync_tensorboard=True,
                                 id=self.saved and self.saved["wandb_id"])  # fmt: skip
             # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
             self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
-            table = "".join(f"\n|{key}|{value}|" for key, value in asdict(self.args).items())
+            table = "".join(f"\n|{key}|{value}|" for key, value in asdict(a).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|" + table)
-            if self.args.progress_bar and not self.args.eval_only:  # its ETA tells how long the run takes
+            if a.progress_bar and not a.eval_only:  # its ETA tells how long the run takes
                 self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True)
-        if total_steps < 0.99 * self.args.total_timesteps and not self.args.eval_only:  # not for 5M -> 4,999,168
-            self.note(f"--total-timesteps {self.args.total_timesteps:,} is rounded down to whole rollouts: "
-                      f"{total_steps:,}")  # fmt: skip
+        if total_steps < 0.99 * a.total_timesteps and not a.eval_only:  # not for 5M -> 4,999,168
+            self.note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         self.first_iteration, self.saved = self.counters["iteration"] + 1, None  # the restored tensors are in place
@@ -756,16 +755,13 @@ class Run:
         interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
-            self.upload("videos/training", record_video(self.agent, self.envs, rollout, self.args, path))
+            if record_video(self.agent, self.envs, rollout, self.args, path) and self.wandb is not None:
+                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
         if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
             self.save_checkpoint()
         if stop_signal:
             raise KeyboardInterrupt(stop_signal)
         return self.target_reached
-
-    def upload(self, key: str, path: Optional[str]) -> None:
-        if self.wandb is not None and path is not None and os.path.exists(path):
-            self.wandb.log({key: self.wandb.Video(path, format="mp4")})
 
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
@@ -797,13 +793,8 @@ class Run:
         status = "evaluated" if a.eval_only else "target return reached" if self.target_reached else "completed"
         if exc is not None:
             status = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss"}.get(exc_type, "error")
-        # at the end of an iteration the state is whole: worth a checkpoint (not after a second Ctrl-C)
-        if (
-            (exc is None or stopped)
-            and self.agent is not None
-            and not a.eval_only
-            and self.checkpointed != c["iteration"]
-        ):
+        whole = (exc is None or stopped) and self.agent is not None  # at the end of an iteration: not a second Ctrl-C
+        if whole and not a.eval_only and self.checkpointed != c["iteration"]:  # the state is whole: a checkpoint
             self.save_checkpoint()
         if self.writer is None:  # not started: nothing to write (and a flag refused late leaves no trace)
             return False
@@ -823,31 +814,27 @@ class Run:
             s["eval_returns"] = evaluate(self.agent, self.envs, a, video)
             s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
             self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
-            self.upload("videos/evaluation", video)
+            if video and os.path.exists(video) and self.wandb is not None:
+                self.wandb.log({"videos/evaluation": self.wandb.Video(video, format="mp4")})
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(a)}, f, indent=2)
         self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-        numbers = [(key, s[key]) for key in ("total_env_steps", "wall_seconds", "mean_sps", "mean_return_last_100",
-                                             "solved_at_step", "eval_mean_return") if s[key] is not None]  # fmt: skip
+        shown = "total_env_steps wall_seconds mean_sps mean_return_last_100 solved_at_step eval_mean_return".split()
+        number = lambda value: f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
+        line = ", ".join(f"{key} {number(s[key])}" for key in shown if s[key] is not None)
         resume = f"; go on with --resume {self.dir}" if status == "interrupted" and self.checkpointed >= 0 else ""
-        line = ", ".join(
-            f"{key} {value:,.1f}" if isinstance(value, float) else f"{key} {value:,}" for key, value in numbers
-        )
         print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
         return False  # exceptions go on to main
 
 
 def check_run_flags(args) -> torch.device:
     """Reject bad run-management flags in one line (UsageError) before anything is built; return the device."""
-    names, torchrun = (
-        ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval"),
-        "LOCAL_RANK" in os.environ,
-    )
+    names = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
     check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {
-        "device": (args.device.split(":")[0] in ("cpu", "cuda"), "cpu or cuda"),
-        "compile": (not (args.compile and torchrun), "off under torchrun (for now)")})  # fmt: skip
+        "device": (args.device in ("cpu", "cuda") or args.device.startswith("cuda:"), "cpu or cuda"),
+        "compile": (not (args.compile and "LOCAL_RANK" in os.environ), "off under torchrun (for now)")})  # fmt: skip
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
@@ -862,10 +849,9 @@ def check_run_flags(args) -> torch.device:
         read_checkpoint(args.load_model, flag="--load-model")  # there, readable, and not another script's
     if args.resume:  # one rule: the algorithm's flags, those before --total-timesteps in Args, are the checkpoint's
         saved, names = read_checkpoint(args.resume), list(Args.__dataclass_fields__)
-        changed = [n for n in names[: names.index("total_timesteps")] if getattr(args, n) != saved["args"].get(n)]
-        for name, value in [(n, getattr(args, n)) for n in changed[:1]]:
-            raise UsageError(f"--resume: --{name.replace('_', '-')} {value} differs from the checkpoint's "
-                             f"{saved['args'].get(name)}; only flags from --total-timesteps on may change")  # fmt: skip
+        check_flags(args, {n: (getattr(args, n) == saved["args"].get(n), f"the checkpoint's {saved['args'].get(n)} "
+                               "(--resume may change the flags from --total-timesteps on)")
+                           for n in names[: names.index("total_timesteps")]})  # fmt: skip
         if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
             raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
     return torch.device(args.device)
@@ -887,24 +873,10 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     return saved
 
 
-def join_process_group(args, device: torch.device) -> torch.device:
-    """Under torchrun: join the process group (a collective waiting 5 minutes fails); this rank's device."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return device
-    local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    if device.type == "cuda":
-        if torch.cuda.device_count() < local_size:
-            raise UsageError(f"{local_size} processes per machine need as many GPUs; {torch.cuda.device_count()} found")
-        torch.cuda.set_device(device := torch.device("cuda", local_rank))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
-    return device
-
-
 def parse_args() -> Args:
     """tyro's command line, its error box made one `error: ...` line; with --resume, flags left out keep their value."""
     argv, default = sys.argv[1:], tyro.MISSING_NONPROP
-    resume = [value for flag, value in zip(argv, argv[1:]) if flag == "--resume"]
-    resume += [flag.split("=", 1)[1] for flag in argv if flag.startswith("--resume=")]
+    resume = [v for f, v in zip(argv, argv[1:]) if f == "--resume"] + [f[9:] for f in argv if f.startswith("--resume=")]
     if resume and resume[-1] != "None":
         saved = read_checkpoint(resume[-1])["args"]
         default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
@@ -925,7 +897,16 @@ def parse_args() -> Args:
 def main() -> None:
     try:
         args = parse_args()
-        device = join_process_group(args, check_run_flags(args))
+        device = check_run_flags(args)
+        if "LOCAL_RANK" in os.environ:  # torchrun: join the group (a collective waiting 5 minutes fails, not hangs)
+            local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+            if device.type == "cuda" and torch.cuda.device_count() < local_size:
+                raise UsageError(
+                    f"{local_size} processes per machine need as many GPUs; {torch.cuda.device_count()} found"
+                )
+            if device.type == "cuda":  # this rank's GPU
+                torch.cuda.set_device(device := torch.device("cuda", local_rank))
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
         if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

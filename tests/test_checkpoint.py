@@ -164,7 +164,7 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
         ("ppo_cartpole_gpu", ["--resume", "runs/none"], "--resume runs/none: no such file"),
         ("ppo_cartpole_gpu", ["--resume", "corrupt.pt"], "--resume corrupt.pt is not a readable checkpoint"),
         ("vpg", ["--resume", folder], "was written by ppo_cartpole_gpu.py, not vpg.py"),
-        ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"], "--gamma 0.9 differs from the checkpoint's 0.99"),
+        ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"], "--gamma must be the checkpoint's 0.99 (--resume"),
         ("ppo_cartpole_gpu", ["--resume", model], "holds weights only; evaluate them with --eval-only --load-model"),
         ("ppo_cartpole_gpu", ["--eval-only"], "--eval-only and --load-model PATH go together"),
         ("ppo_cartpole_gpu", ["--load-model", model], "--eval-only and --load-model PATH go together"),
