@@ -56,9 +56,8 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import NamedTuple, Optional
 
-# libgomp's OpenMP threads wait for work by spinning, which starves our own threads whenever another program keeps
-# a core busy (4x slower beside one CPU hog on 2 cores); sleeping instead costs little. It must be set before torch
-# loads OpenMP; a value you export wins. docs/running.md: "Threads and a busy machine".
+# libgomp's OpenMP threads spin while they wait, starving ours when another program keeps a core busy (4x slower on
+# 2 cores); sleeping costs little. Set before torch loads OpenMP; a value you export wins (docs/running.md: threads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -144,11 +143,9 @@ class Args:
     save_model: bool = False
     """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
     checkpoint_interval: int = 100
-    """iterations between checkpoints, <run folder>/checkpoint.pt with all it takes to go on exactly (see
-    `resume`); 0: only the one written when the run ends, Ctrl-C and SIGTERM included"""
+    """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
     resume: Optional[str] = None
-    """a run folder (or checkpoint file) to go on from, in that folder; flags left out keep the checkpoint's
-    values, and only the flags from --total-timesteps on may change"""
+    """a run folder (or its checkpoint.pt) to go on from: omitted flags keep its values; only these run flags change"""
     eval_only: bool = False
     """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
     load_model: Optional[str] = None

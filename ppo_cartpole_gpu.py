@@ -44,9 +44,8 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Literal, NamedTuple, Optional
 
-# libgomp's OpenMP threads wait for work by spinning, which starves our own threads whenever another program keeps
-# a core busy (4x slower beside one CPU hog on 2 cores); sleeping instead costs little. It must be set before torch
-# loads OpenMP; a value you export wins. docs/running.md: "Threads and a busy machine".
+# libgomp's OpenMP threads spin while they wait, starving ours when another program keeps a core busy (4x slower on
+# 2 cores); sleeping costs little. Set before torch loads OpenMP; a value you export wins (docs/running.md: threads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -86,8 +85,7 @@ class Args:
     clip_coef: float = 0.2
     """surrogate clipping coefficient epsilon (detail 8)"""
     clip_vloss: bool = False
-    """clip the value loss around the old values (detail 9; off: it slowed solving CartPole here,
-    as Engstrom et al. 2020 found it does not help)"""
+    """clip the value loss around the old values (detail 9; off: it slowed CartPole here, cf. Engstrom et al. 2020)"""
     ent_coef: float = 0.0
     """entropy bonus coefficient (detail 10)"""
     vf_coef: float = 0.5
@@ -99,20 +97,17 @@ class Args:
 
     # The run's length and its management: a --resume may change these
     total_timesteps: int = 5_000_000
-    """upper bound on environment steps, all torchrun ranks together (training may stop earlier, see `target-return`)"""
+    """upper bound on env steps, all torchrun ranks together (training may stop earlier: `target-return`)"""
     target_return: Optional[float] = 500.0
-    """stop once the mean return of the last 100 episodes reaches this (None: run all steps;
-    the shaped envs never reach 500)"""
+    """stop once the mean return of the last 100 episodes reaches this (None: never; the shaped envs never reach 500)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device to run everything on (cuda when available, else cpu)"""
     torch_threads: int = 0
-    """CPU threads for torch (ignored on GPU); 0 picks one thread below 1024 envs,
-    where the ops are too small to gain from a second one, else one per available core"""
+    """CPU threads for torch (ignored on GPU); 0: one below 1024 envs (ops too small to share), else one per core"""
     compile: bool = False
-    """torch.compile the rollout, the batch preparation and the gradient step into graphs: faster
-    iterations after a one-off compilation in iteration 1 (not counted in SPS); see docs for when it pays"""
+    """torch.compile the rollout, batch preparation and gradient step (iteration 1 compiles: not counted in SPS)"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -126,11 +121,9 @@ class Args:
     save_model: bool = False
     """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
     checkpoint_interval: int = 1000
-    """iterations between checkpoints, <run folder>/checkpoint.pt with all it takes to go on exactly (see
-    `resume`); 0: only the one written when the run ends, Ctrl-C and SIGTERM included"""
+    """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
     resume: Optional[str] = None
-    """a run folder (or checkpoint file) to go on from, in that folder; flags left out keep the checkpoint's
-    values, and only the flags from --total-timesteps on may change"""
+    """a run folder (or its checkpoint.pt) to go on from: omitted flags keep its values; only these run flags change"""
     eval_only: bool = False
     """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
     load_model: Optional[str] = None
@@ -178,15 +171,11 @@ THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running
 class CartPole:
     """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`.
 
-    Interface (every env the trainer takes, probes included, has it):
-      num_envs, obs_dim, num_actions, max_episode_steps, reward_threshold (None: no "solved" level), device
-      reset() -> (obs, info)
-      draw_initial_states(T) -> (T, num_envs, obs_dim) states to restart finished envs from, one per step
-      step(actions, initial_states=None) -> (obs, reward, terminated, truncated, info)
-      state_dict(), load_state_dict(saved) -> obs: optional, all that decides the envs' future (checkpoints)
-    Finished envs are reset inside `step`, to `initial_states` when given (drawn from the env's generator
-    otherwise: passing them keeps random draws out of a compiled rollout). `info` then holds, per env and valid where
-    terminated | truncated: "final_obs" (the real last observation), "episode_return", "episode_length".
+    The interface of every env the trainer takes (the probes too): num_envs, obs_dim, num_actions, max_episode_steps,
+    reward_threshold (None: no "solved" level), device; reset() -> (obs, info); draw_initial_states(T), the states
+    finished envs restart from at each step; step(actions, initial_states=None) -> (obs, reward, terminated, truncated,
+    info), resetting finished envs inside (to `initial_states`, or states drawn here), with info["final_obs"] (the real
+    last observation), "episode_return" and "episode_length" where done; state_dict() and load_state_dict(saved) -> obs.
     """
 
     gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
@@ -298,10 +287,7 @@ class EasyCart(CartPole):
 
 
 class SpinCart(CartPole):
-    """Reward for spinning the pole fast while the cart stays centred and slow.
-
-    The pole may turn all the way round: only leaving the track ends an episode.
-    """
+    """Reward for spinning the pole fast with the cart centred and slow; the pole may turn all the way round."""
 
     reward_threshold = None
 
@@ -319,8 +305,7 @@ ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCar
 
 
 def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
-    """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe env) once checked
-    against the flags."""
+    """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
     if envs is None:
         return ENVS[args.env_id](args.num_envs, device, args.seed + rank)
     if envs.num_envs != args.num_envs:
@@ -368,9 +353,7 @@ class Agent(nn.Module):
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
-    def get_action(
-        self, obs: torch.Tensor, gumbel: Optional[torch.Tensor] = None, greedy: bool = False
-    ) -> torch.Tensor:
+    def get_action(self, obs: torch.Tensor, gumbel: Optional[torch.Tensor] = None, greedy: bool = False):
         """Sample actions by Gumbel-max, argmax(logits + Gumbel noise), which samples the softmax distribution
         in a few kernels; `gumbel` (the logits' shape) is drawn here when None. `greedy`: argmax(logits)."""
         logits = self.actor(obs)
@@ -454,12 +437,9 @@ def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noi
 
 
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
-    """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns).
-
-    `next_values[t]` is V of the true next state s'_t: the real last observation where the episode
-    ended, so a truncated episode is bootstrapped and only `terminated` zeroes the future.
-    `dones` (terminated or truncated) cuts the recursion at every episode boundary.
-    """
+    """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns). `next_values[t]` is V of
+    the true next state s'_t (the real last observation where an episode ended: a truncated one is bootstrapped, only
+    `terminated` zeroes the future); `dones` (terminated or truncated) cuts the recursion at every episode's end."""
     deltas = rewards + gamma * next_values * (~terminated).to(values.dtype) - values
     decay = gamma * gae_lambda * (~dones).to(values.dtype)
     advantages = torch.empty_like(deltas)
@@ -543,13 +523,10 @@ class LossOf(nn.Module):
 
 
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
-    """`gradient_step` as one pure function of (lr, batch, idx), which torch.compile makes a single graph.
-
-    torch.compile cuts `loss.backward()` and `optimizer.step()` into separate graphs (3x slower here), so the
-    gradients come from torch.func.grad and the clipping and Adam's update are written out: the arithmetic of
-    clip_grad_norm_ and torch.optim.Adam, on the optimizer's own state (its state_dict and the eager path go on from
-    there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line.
-    """
+    """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph: it cuts
+    `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
+    clipping and Adam's update are written out, on the optimizer's own state (its state_dict and the eager path go on
+    from there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
     if (
         type(optimizer) is not torch.optim.Adam
@@ -686,11 +663,8 @@ def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) ->
 
 
 def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
-    """Render CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8, in tensor ops.
-
-    Same picture as gymnasium's renderer (track, black cart, brown pole, blue axle), scaled from its
-    600x400 screen; no pygame needed.
-    """
+    """CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8 in tensor ops: gymnasium's picture (track,
+    black cart, brown pole, blue axle) scaled from its 600x400 screen, without pygame."""
     lead = states.shape[:-1]
     s = states.reshape(-1, 4).float()
     unit = width / 600.0  # gymnasium draws on a 600-pixel-wide screen
@@ -712,12 +686,8 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
     track = (ys - track_y).abs() <= 0.5
 
     frame = torch.full((s.shape[0], height, width, 3), 255, dtype=torch.uint8, device=s.device)
-    for mask, colour in (
-        (track.expand_as(cart), (0, 0, 0)),
-        (cart, (0, 0, 0)),
-        (pole, (202, 152, 101)),
-        (axle, (129, 132, 203)),
-    ):
+    for mask, colour in ((track.expand_as(cart), (0, 0, 0)), (cart, (0, 0, 0)), (pole, (202, 152, 101)),
+                         (axle, (129, 132, 203))):  # fmt: skip
         frame[mask] = torch.tensor(colour, dtype=torch.uint8, device=s.device)
     return frame.view(*lead, height, width, 3)
 

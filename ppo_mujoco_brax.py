@@ -55,9 +55,8 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Literal, NamedTuple, Optional, get_args
 
-# libgomp's OpenMP threads wait for work by spinning, which starves our own threads whenever another program keeps
-# a core busy (4x slower beside one CPU hog on 2 cores); sleeping instead costs little. It must be set before torch
-# loads OpenMP; a value you export wins. docs/running.md: "Threads and a busy machine".
+# libgomp's OpenMP threads spin while they wait, starving ours when another program keeps a core busy (4x slower on
+# 2 cores); sleeping costs little. Set before torch loads OpenMP; a value you export wins (docs/running.md: threads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -134,8 +133,7 @@ class Args:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """torch device for the policy and the update (cuda when available, else cpu)"""
     torch_threads: int = 0
-    """CPU threads for torch (ignored on GPU); 0 picks one thread below 1024 envs,
-    where the ops are too small to gain from a second one, else one per available core"""
+    """CPU threads for torch (ignored on GPU); 0: one below 1024 envs (ops too small to share), else one per core"""
     compile: bool = False
     """torch.compile the batch preparation and the gradient step into graphs (the env step is Brax's own
     jitted JAX): faster iterations after a one-off compilation in iteration 1 (not counted in SPS)"""
@@ -154,11 +152,9 @@ class Args:
     save_model: bool = False
     """save the agent's weights and observation statistics to the run folder at the end (also on Ctrl-C)"""
     checkpoint_interval: int = 100
-    """iterations between checkpoints, <run folder>/checkpoint.pt with all it takes to go on exactly (see
-    `resume`); 0: only the one written when the run ends, Ctrl-C and SIGTERM included"""
+    """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
     resume: Optional[str] = None
-    """a run folder (or checkpoint file) to go on from, in that folder; flags left out keep the checkpoint's
-    values, and only the flags from --total-timesteps on may change"""
+    """a run folder (or its checkpoint.pt) to go on from: omitted flags keep its values; only these run flags change"""
     eval_only: bool = False
     """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
     load_model: Optional[str] = None
@@ -509,12 +505,9 @@ def collect_rollout(agent: Agent, envs: BraxVecEnv, raw_obs: torch.Tensor, rollo
 
 
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
-    """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns).
-
-    `next_values[t]` is V of the true next state s'_t: the real last observation where the episode
-    ended, so a truncated episode is bootstrapped and only `terminated` zeroes the future.
-    `dones` (terminated or truncated) cuts the recursion at every episode boundary.
-    """
+    """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns). `next_values[t]` is V of
+    the true next state s'_t (the real last observation where an episode ended: a truncated one is bootstrapped, only
+    `terminated` zeroes the future); `dones` (terminated or truncated) cuts the recursion at every episode's end."""
     deltas = rewards + gamma * next_values * (~terminated).to(values.dtype) - values
     decay = gamma * gae_lambda * (~dones).to(values.dtype)
     advantages = torch.empty_like(deltas)
@@ -598,13 +591,10 @@ class LossOf(nn.Module):
 
 
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
-    """`gradient_step` as one pure function of (lr, batch, idx), which torch.compile makes a single graph.
-
-    torch.compile cuts `loss.backward()` and `optimizer.step()` into separate graphs (3x slower here), so the
-    gradients come from torch.func.grad and the clipping and Adam's update are written out: the arithmetic of
-    clip_grad_norm_ and torch.optim.Adam, on the optimizer's own state (its state_dict and the eager path go on from
-    there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line.
-    """
+    """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph: it cuts
+    `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
+    clipping and Adam's update are written out, on the optimizer's own state (its state_dict and the eager path go on
+    from there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
     if (
         type(optimizer) is not torch.optim.Adam
