@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import io
 import json
@@ -521,12 +520,8 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
     clipping and Adam's update are written out, on the optimizer's own state (its state_dict and the eager path go on
     from there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
-    if (
-        type(optimizer) is not torch.optim.Adam
-        or len(optimizer.param_groups) > 1
-        or group["weight_decay"]
-        or (group["amsgrad"] or group["maximize"])
-    ):
+    plain = len(optimizer.param_groups) == 1 and not (group["weight_decay"] or group["amsgrad"] or group["maximize"])
+    if type(optimizer) is not torch.optim.Adam or not plain:
         raise UsageError(f"--compile writes out plain Adam's update, not {type(optimizer).__name__}'s with these "
                          "settings: leave out --compile (or compile only the loss)")  # fmt: skip
     params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
