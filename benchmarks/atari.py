@@ -138,7 +138,7 @@ def main() -> None:
     dev = torch.device(bench.device).type
     default_layout = ours.Args().channels_last
     other_layout = "--no-channels-last" if default_layout else "--channels-last"
-    fast_bf16 = ours.has_fast_bf16(torch.device(bench.device))
+    fast_bf16 = ours.has_fast_bf16(bench.device)
     bf16_note = "" if fast_bf16 else " (refused by the script here: no bf16 hardware)"
     configs = {
         "CleanRL-style baseline (sync)": None,
