@@ -624,7 +624,6 @@ def video_writer(path: str, fps: int):
 
 
 # Run management: identical in all five scripts
-# ----------------------------------------------------------------------------------------------
 class UsageError(Exception):
     """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
 
