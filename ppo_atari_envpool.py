@@ -608,7 +608,7 @@ def grid_video(frames: torch.Tensor) -> np.ndarray:
 
 
 def has_fast_bf16(device: str) -> bool:
-    """Whether bfloat16 math runs in hardware on `device` (on a CPU without it: 6.5x slower, docs/benchmarks.md)."""
+    """Whether bfloat16 math runs in hardware on `device` (emulated it is several times slower: docs/benchmarks.md)."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch's own cpuinfo checks; a missing one: no

@@ -253,7 +253,7 @@ def test_missing_brax_names_the_pip_command(tmp_path):
     assert result.stderr.strip() == message
 
 
-# the issue's bar for robust learning (README "Across seeds"): reach a 100-episode mean of 900 within 2M steps
+# the bar for robust learning (docs/ppo_mujoco_brax.md, "Across seeds"): a 100-episode mean of 900 within 2M steps
 PENDULUM = ["--env-id", "inverted_pendulum", "--num-envs", "256", "--total-timesteps", "2000000",
             "--target-return", "900", "--eval-episodes", "16", "--no-progress-bar"]  # fmt: skip
 
@@ -293,7 +293,7 @@ def test_inverted_pendulum_is_learned_on_two_seeds(tmp_path):
 def test_inverted_pendulum_is_learned_on_five_seeds_with_one_and_two_threads(tmp_path):
     """Seeds 1-5, each with one and with two torch threads (24 minutes on 2 cores): all ten. With normalised
     observations seed 2 with two threads fell short (462 at 2M steps); with raw ones (--norm-obs auto) all ten
-    reached 900 at 0.86-1.19M steps, each mean-action policy scoring 1000 (README "Across seeds")."""
+    reached 900 at 0.86-1.19M steps, each mean-action policy scoring 1000 (docs/ppo_mujoco_brax.md, "Across seeds")."""
     one_thread = [[(1, 1), (2, 1)], [(3, 1), (4, 1)], [(5, 1)]]
     assert_pendulum_learned(tmp_path, one_thread + [[(seed, 2)] for seed in range(1, 6)])
 

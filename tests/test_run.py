@@ -301,3 +301,16 @@ def test_run_keeps_quiet_about_a_rounding_under_one_percent(in_tmp, capsys):
     """The defaults' 5,000,000 -> 4,999,168 (2,048-step rollouts) is not worth a line in every run."""
     scripted_run(in_tmp, [[10.0], [10.0]], total_timesteps=2_010, num_envs=8)
     assert "rounded down" not in capsys.readouterr().err
+
+
+def test_readmes_sketch_of_train_is_in_the_code():
+    """README's outline of ppo_cartpole_gpu.py's train(): every line of it with code in it (a call) is a line of the
+    code, so the sketch cannot drift from what it shows."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    sketch = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    source = {
+        line.split("  #")[0].strip() for line in inspect.getsource(import_script("ppo_cartpole_gpu").train).splitlines()
+    }
+    code = [line.split("  #")[0].strip() for line in sketch.splitlines() if "(" in line]
+    assert len(code) >= 7 and all(line in source for line in code), [line for line in code if line not in source]
