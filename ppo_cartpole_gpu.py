@@ -527,7 +527,7 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
     clipping and Adam's update are written out, on the optimizer's own state (its state_dict and the eager path go on
     from there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
-    plain = len(optimizer.param_groups) == 1 and not (group["weight_decay"] or group["amsgrad"] or group["maximize"])
+    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
     if type(optimizer) is not torch.optim.Adam or not plain:
         raise UsageError(f"--compile writes out plain Adam's update, not {type(optimizer).__name__}'s with these "
                          "settings: leave out --compile (or compile only the loss)")  # fmt: skip
