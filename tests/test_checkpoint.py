@@ -239,3 +239,16 @@ def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tm
     assert_same_state(saved["optimizer"], run.optimizer)
     assert_same_state(saved["reward_scaler"], run.stateful["reward_scaler"])
     assert saved["ranks"][0]["envs"]["key"].shape == (2,)  # the resets' random key (the physics restart)
+
+
+def test_resume_on_another_number_of_torchrun_ranks_is_one_line(tmp_path, monkeypatch):
+    """A checkpoint of one process resumed by two (or the other way round) would redo or skip steps and restart the
+    envs: refused in one line before anything is built."""
+    trained = call_main("ppo_cartpole_gpu", "--total-timesteps", "2048", "--num-envs", "32", "--eval-episodes", "0",
+                        "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    P = import_script("ppo_cartpole_gpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(P.UsageError, match="--resume: the checkpoint is of 1 torchrun ranks; resume on as many"):
+        P.check_run_flags(P.Args(num_envs=32, total_timesteps=4096, resume=folder))

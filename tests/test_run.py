@@ -314,3 +314,20 @@ def test_readmes_sketch_of_train_is_in_the_code():
     }
     code = [line.split("  #")[0].strip() for line in sketch.splitlines() if "(" in line]
     assert len(code) >= 7 and all(line in source for line in code), [line for line in code if line not in source]
+
+
+def test_ctrl_c_after_a_sigterm_stops_at_once(in_tmp):
+    """After SIGTERM asked for a stop at the end of the iteration, a Ctrl-C does not wait for it: KeyboardInterrupt."""
+    import signal
+    import time
+
+    agent = P.Agent(4, 2)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with P.Run(P.Args(progress_bar=False, eval_episodes=0)) as run:
+            run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10)
+            run.request_stop(signal.SIGTERM, None)  # what the SIGTERM handler does
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt comes at once
+    assert not stopped.value.args  # a plain KeyboardInterrupt, not the end-of-iteration stop (which carries a signal)
+    (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
+    assert read_json(path)["status"] == "interrupted"
