@@ -668,12 +668,13 @@ class UsageError(Exception):
     """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
 
 
-class Run:
+class Run(contextlib.AbstractContextManager):
     """The run folder runs/{env_id}__{exp_name}__{seed}__{time} and all in it (TensorBoard, W&B with --track, videos,
     checkpoints, model, summary.json), the progress bar, --resume, signals, the NaN stop and the final evaluation."""
 
     def __init__(self, args):
         self.args, self.saved = args, read_checkpoint(args.resume) if args.resume else None
+        self.model = read_checkpoint(args.load_model, flag="--load-model") if args.load_model else None
         resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
         self.dir = resumed or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -685,19 +686,15 @@ class Run:
         self.handlers, self.stop_signal, self.target_reached, self.checkpointed = {}, 0, False, -1
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
-    def __enter__(self) -> Run:
-        return self
-
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
         """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: more
         objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         a = self.args
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
-        if a.load_model:
-            saved = read_checkpoint(a.load_model, flag="--load-model")
+        if self.model is not None:
             try:  # a checkpoint's agent, or a saved model
-                agent.load_state_dict(saved.get("agent", saved))
+                agent.load_state_dict(self.model.get("agent", self.model))
             except RuntimeError as e:
                 message = str(e).splitlines()[-1].strip()
                 raise UsageError(f"--load-model {a.load_model} does not fit this agent: {message}") from None
@@ -742,8 +739,7 @@ class Run:
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
-        if self.rank == 0:
-            tqdm.write(f"note: {message}", file=sys.stderr)
+        tqdm.write(f"note: {message}", file=sys.stderr) if self.rank == 0 else None
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
         """One iteration's logs, videos and checkpoint from one host read (shared by the torchrun ranks: they decide
@@ -802,16 +798,16 @@ class Run:
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None
+        # on the CPU: under NCCL a CUDA tensor would be rebuilt on rank 0 as cuda:<its rank>, a GPU it may not see
+        envs = {k: v.cpu() for k, v in self.envs.state_dict().items()} if hasattr(self.envs, "state_dict") else None
         ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.rank == 0:
-            checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks}
-            checkpoint |= {"script": os.path.basename(__file__), "args": asdict(self.args), "counters": self.counters,
-                           "recent_returns": list(self.recent_returns),
-                           "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+            checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks,
+                "script": os.path.basename(__file__), "args": asdict(self.args), "counters": self.counters,
+                "recent_returns": list(self.recent_returns), "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
             path = os.path.join(self.dir, "checkpoint.pt")
             with open(path + ".tmp", "wb") as f:
                 torch.save(checkpoint, f)
@@ -819,9 +815,14 @@ class Run:
                 os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
             os.replace(path + ".tmp", path)  # atomic
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
+    def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
+        try:  # the handlers stay while the outputs are written: a signal now ends only the final evaluation
+            self.finish(exc_type, exc)
+        finally:
+            for sig, handler in self.handlers.items():
+                signal.signal(sig, handler)
+
+    def finish(self, exc_type, exc) -> None:  # the final checkpoint; then rank 0's model, evaluation and summary
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
@@ -832,8 +833,10 @@ class Run:
         whole = (exc is None or stopped) and self.agent is not None  # at the end of an iteration: not a second Ctrl-C
         if whole and not a.eval_only and self.checkpointed != c["iteration"]:  # the state is whole: a checkpoint
             self.save_checkpoint()
-        if self.writer is None:  # not started: nothing to write (and a flag refused late leaves no trace)
-            return False
+        if whole and self.world_size > 1:  # the last collective: rank 0 alone goes on, however long it evaluates
+            dist.barrier()
+        if self.writer is None:  # not rank 0, or not started (a flag refused late, a failed resume leave no trace)
+            return
         s = dict(env_id=a.env_id, exp_name=a.exp_name, seed=a.seed, device=a.device, world_size=self.world_size,
                  status=status, total_env_steps=c["global_step"], iterations=c["iteration"],
                  wall_seconds=round(c["seconds"], 3), setup_seconds=round(self.setup_seconds, 3),
@@ -845,13 +848,16 @@ class Run:
         if status != "non-finite loss" and a.save_model:  # NaN weights are not worth keeping
             s["model_path"] = os.path.join(self.dir, f"{a.exp_name}.cleanrl_model")
             torch.save(self.agent.state_dict(), s["model_path"])
-        if a.eval_episodes and status in ("completed", "target return reached", "evaluated"):
+        if a.eval_episodes and status in ("completed", "target return reached", "evaluated") and not self.stop_signal:
             video = os.path.join(self.dir, "videos", "evaluation.mp4") if a.capture_video else None
-            s["eval_returns"] = evaluate(self.agent, self.envs, a, video)
-            s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
-            self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
-            if video and os.path.exists(video) and self.wandb is not None:
-                self.wandb.log({"videos/evaluation": self.wandb.Video(video, format="mp4")})
+            for sig in self.handlers:  # a signal now ends the evaluation at once; summary.json is still written
+                signal.signal(sig, signal.default_int_handler)
+            with contextlib.suppress(KeyboardInterrupt):
+                s["eval_returns"] = evaluate(self.agent, self.envs, a, video)
+                s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
+                self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
+                if video and os.path.exists(video) and self.wandb is not None:
+                    self.wandb.log({"videos/evaluation": self.wandb.Video(video, format="mp4")})
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(a)}, f, indent=2)
         self.writer.close()
@@ -862,17 +868,16 @@ class Run:
         line = ", ".join(f"{key} {number(s[key])}" for key in shown if s[key] is not None)
         resume = f"; go on with --resume {self.dir}" if status == "interrupted" and self.checkpointed >= 0 else ""
         print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
-        return False  # exceptions go on to main
 
 
 def check_run_flags(args) -> torch.device:
     """Reject bad run-management flags in one line (UsageError) before anything is built; return the device."""
     names = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
+    gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
     check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {
-        "device": (args.device in ("cpu", "cuda") or args.device.startswith("cuda:"), "cpu or cuda"),
+        "device": (args.device == "cpu" or args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1],
+                   f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)"),
         "compile": (not (args.compile and "LOCAL_RANK" in os.environ), "off under torchrun (for now)")})  # fmt: skip
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
         raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")
@@ -881,8 +886,6 @@ def check_run_flags(args) -> torch.device:
             raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}")
     if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
         raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
-    if args.load_model:
-        read_checkpoint(args.load_model, flag="--load-model")  # there, readable, and not another script's
     if args.resume:  # one rule: the algorithm's flags, those before --total-timesteps in Args, are the checkpoint's
         saved, names = read_checkpoint(args.resume), list(Args.__dataclass_fields__)
         check_flags(args, {n: (getattr(args, n) == saved["args"].get(n), f"the checkpoint's {saved['args'].get(n)} "
@@ -914,11 +917,9 @@ def parse_args() -> Args:
     argv, default = sys.argv[1:], tyro.MISSING_NONPROP
     resume = [v for f, v in zip(argv, argv[1:]) if f == "--resume"] + [f[9:] for f in argv if f.startswith("--resume=")]
     if resume and resume[-1] != "None":
-        saved = read_checkpoint(resume[-1])["args"]
-        default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
-    box = io.StringIO()
+        default = Args(**{k: v for k, v in read_checkpoint(resume[-1])["args"].items() if k in Args.__annotations__})
     try:
-        with contextlib.redirect_stderr(box):
+        with contextlib.redirect_stderr(box := io.StringIO()):
             return tyro.cli(Args, default=default)
     except SystemExit as e:
         if e.code != 2:  # --help
@@ -935,37 +936,25 @@ def main() -> None:
         args = parse_args()
         device = check_run_flags(args)
         if "LOCAL_RANK" in os.environ:  # torchrun: join the group (a collective waiting 5 minutes fails, not hangs)
-            local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-            if device.type == "cuda" and torch.cuda.device_count() < local_size:
-                raise UsageError(
-                    f"{local_size} processes per machine need as many GPUs; {torch.cuda.device_count()} found"
-                )
             if device.type == "cuda":  # this rank's GPU
-                torch.cuda.set_device(device := torch.device("cuda", local_rank))
+                torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"])))
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
         if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
-        train(replace(args, device=str(device)))
-        if dist.is_initialized():
-            dist.barrier()  # every rank waits for rank 0's writing: leaving the group early can abort Gloo
+        train(replace(args, device=str(device)))  # its end syncs the ranks once more, then rank 0 writes alone
     except UsageError as e:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank != 0:  # under torchrun every rank finds the same error: rank 0 says it once, and torchrun stops
-            time.sleep(10)  # this rank when rank 0 exits; a rank still here found an error of its own
+        rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
+        time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
         print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     except FloatingPointError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
-        signum = e.args[0] if e.args else signal.SIGINT
-        if e.args and dist.is_initialized():
-            dist.barrier()  # all ranks stopped together: wait for rank 0's writing
-        if int(os.environ.get("RANK", "0")) == 0:  # a checkpoint only at the end of an iteration
-            print(
-                f"interrupted by {signal.Signals(signum).name}" + ", with a checkpoint" * bool(e.args), file=sys.stderr
-            )
+        signum, checkpoint = (e.args[0], ", with a checkpoint") if e.args else (signal.SIGINT, "")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
         if dist.is_initialized():

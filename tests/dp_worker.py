@@ -78,7 +78,7 @@ def main(out: str) -> None:
         args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
                            eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip
         torch.save(module.train(args).state_dict(), os.path.join(out, f"train_{module.__name__}_rank{rank}.pt"))
-    dist.barrier()  # as the scripts' main: nobody leaves the group before rank 0 has written
+    dist.barrier()  # nobody leaves the group while another rank may still be in a collective
     dist.destroy_process_group()
 
 

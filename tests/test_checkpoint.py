@@ -252,3 +252,68 @@ def test_resume_on_another_number_of_torchrun_ranks_is_one_line(tmp_path, monkey
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(P.UsageError, match="--resume: the checkpoint is of 1 torchrun ranks; resume on as many"):
         P.check_run_flags(P.Args(num_envs=32, total_timesteps=4096, resume=folder))
+    monkeypatch.delenv("WORLD_SIZE")  # and two ranks' checkpoint resumed by one process
+    saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    torch.save(saved | {"ranks": saved["ranks"] * 2}, os.path.join(folder, "checkpoint.pt"))
+    with pytest.raises(P.UsageError, match="--resume: the checkpoint is of 2 torchrun ranks; resume on as many"):
+        P.check_run_flags(P.Args(num_envs=32, total_timesteps=4096, resume=folder))
+
+
+def test_a_resume_that_fails_leaves_the_interrupted_runs_outputs(in_tmp, monkeypatch):
+    """A resume that fails while restoring writes nothing: the stopped run's summary.json and checkpoint stay."""
+    P = import_script("ppo_cartpole_gpu")
+    args = small_args(P)
+    stop_with_sigterm_at(P, monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        P.train(args)
+    folder = run_dir(in_tmp, args.exp_name)
+    before = {f: open(os.path.join(folder, f), "rb").read() for f in ("summary.json", "checkpoint.pt")}
+
+    def broken(self, saved):
+        raise RuntimeError("this env cannot take that state")
+
+    monkeypatch.setattr(P.CartPole, "load_state_dict", broken)
+    with pytest.raises(RuntimeError, match="this env cannot take that state"):
+        P.train(replace(args, resume=folder))
+    assert {f: open(os.path.join(folder, f), "rb").read() for f in before} == before
+
+
+def test_the_checkpoint_holds_the_envs_state_on_the_cpu(in_tmp, monkeypatch):
+    """Each rank's env state is moved to the CPU before it is gathered and saved (under NCCL a CUDA tensor of rank r
+    would be rebuilt on cuda:r in rank 0). A tensor subclass stands in for a CUDA tensor where no GPU is lent."""
+    P = import_script("ppo_cartpole_gpu")
+
+    class OnTheGPU(torch.Tensor):
+        def cpu(self):
+            return torch.Tensor.cpu(self).as_subclass(torch.Tensor)
+
+    real = P.CartPole.state_dict
+    monkeypatch.setattr(
+        P.CartPole, "state_dict", lambda self: {k: v.as_subclass(OnTheGPU) for k, v in real(self).items()}
+    )
+    P.train(replace(small_args(P), eval_episodes=0))
+    saved = torch.load(os.path.join(run_dir(in_tmp, "ppo_cartpole_gpu"), "checkpoint.pt"), weights_only=False)
+    assert all(type(value) is torch.Tensor for value in saved["ranks"][0]["envs"].values())
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs SIGTERM")
+def test_a_signal_during_the_final_evaluation_ends_it_and_the_outputs_are_written(tmp_path):
+    """SIGTERM (e.g. torchrun shutting down) while the final evaluation runs: the evaluation stops, summary.json and
+    the checkpoint are still written, and the run ends normally (before: killed, no summary.json)."""
+    code = f"""
+import os, signal, sys, time
+sys.path.insert(0, {ROOT!r})
+import ppo_cartpole_gpu as P
+def evaluate(*args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+P.evaluate = evaluate
+P.train(P.Args(num_envs=32, num_steps=16, total_timesteps=32 * 16 * 2, progress_bar=False, device="cpu"))
+print("returned")
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0 and "returned" in result.stdout, result.stderr
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    summary = read_json(os.path.join(folder, "summary.json"))
+    assert summary["status"] == "completed" and summary["iterations"] == 2 and summary["eval_returns"] is None
+    assert torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)["counters"]["iteration"] == 2

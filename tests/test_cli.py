@@ -119,7 +119,7 @@ def test_a_bad_flag_is_one_line_from_a_fresh_interpreter(script, tmp_path):
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
     result = run_script("ppo_cartpole_gpu", "--device", "cuda", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and result.stderr.strip() == (
-        "error: --device cuda was asked for but no CUDA GPU is available; use --device cpu"
+        "error: --device must be cpu, or cuda with a CUDA GPU per process (0 found, 1 needed), got cuda"
     )
 
 

@@ -153,3 +153,26 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_json(os.path.join(run_dir, "summary.json"))
     assert summary["status"] == "completed" and summary["iterations"] == saved["counters"]["iteration"] + 3
+
+
+def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
+    """Rank 0 evaluates alone at the end while the other ranks are done: with collectives timing out after 3 s (5 min
+    in the scripts) and an evaluation of 8 s (Brax's could take minutes), the run still ends well, with its summary
+    (before, the other ranks timed out in a final barrier and torchrun killed rank 0 before it wrote summary.json)."""
+    worker = tmp_path / "slow_evaluation.py"
+    worker.write_text(f"""
+import datetime, sys, time
+sys.path.insert(0, {ROOT!r})
+import ppo_cartpole_gpu as P
+init, evaluate = P.dist.init_process_group, P.evaluate
+P.dist.init_process_group = lambda backend, **kw: init(backend, **kw | {{"timeout": datetime.timedelta(seconds=3)}})
+P.evaluate = lambda *args: time.sleep(8) or evaluate(*args)
+P.main()
+""")
+    flags = ["--num-envs", "16", "--num-steps", "8", "--total-timesteps", "512", "--eval-episodes", "2",
+             "--no-progress-bar"]  # fmt: skip
+    result = torchrun(str(worker), *flags, cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
+    summary = read_json(path)
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and len(summary["eval_returns"]) == 2
