@@ -56,8 +56,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import NamedTuple, Optional
 
-# libgomp's OpenMP threads spin while they wait, starving ours when another program keeps a core busy (4x slower on
-# 2 cores); sleeping costs little. Set before torch loads OpenMP; a value you export wins (docs/running.md: threads).
+# OpenMP threads that sleep, not spin, while they wait (4x faster on a busy 2-core machine): set before torch loads it
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -190,9 +189,7 @@ def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
 THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
 
-# ----------------------------------------------------------------------------------------------
-# Environment
-# ----------------------------------------------------------------------------------------------
+# Environment ----------------------------------------------------------------------------------
 def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = None):
     """An EnvPool Atari pool (gymnasium API) with the training settings: episodes end on a lost life
     and rewards are clipped (`info["reward"]` keeps the raw ones). `recv` hands back `batch_size` envs."""
@@ -240,9 +237,7 @@ def is_atari_game(env_id: str) -> bool:
     return env_id in envpool.list_all_envs() and type(envpool.make_spec(env_id)).__name__ == "AtariEnvSpec"
 
 
-# ----------------------------------------------------------------------------------------------
-# Agent
-# ----------------------------------------------------------------------------------------------
+# Agent ----------------------------------------------------------------------------------------
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Module:
     """Orthogonal weights, constant bias (detail 2)."""
     nn.init.orthogonal_(layer.weight, std)
@@ -299,9 +294,7 @@ class Agent(nn.Module):
         return logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), entropy, value
 
 
-# ----------------------------------------------------------------------------------------------
-# Algorithm
-# ----------------------------------------------------------------------------------------------
+# Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
     """Every env's steps in its own column, in that env's order, and the pool's bookkeeping.
 
@@ -536,9 +529,7 @@ def train(args: Args) -> Agent:
     return agent
 
 
-# ----------------------------------------------------------------------------------------------
-# What the run management asks of the environment: finished episodes, evaluation, videos
-# ----------------------------------------------------------------------------------------------
+# What the run management asks of the environment: finished episodes, evaluation, videos -------
 def finished_episodes(rollout: Rollout):
     """(ended, return, length), tensors of one shape: the games that ended during `rollout`, with their real scores
     (unclipped rewards over all lives, see `GameStats`)."""
