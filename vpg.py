@@ -195,14 +195,20 @@ class CartPole:
 
     def state_dict(self) -> dict:
         """The envs' states, episode counters and generator: a checkpoint goes on exactly from them."""
+        generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
+        seed = int(torch.randint(2**62, (), device=self.device, generator=self.generator))
+        self.generator.set_state(generator)
         return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
-                "generator": self.generator.get_state()}  # fmt: skip
+                "generator": generator, "seed": seed}  # fmt: skip
 
     def load_state_dict(self, saved: dict) -> torch.Tensor:
         """The envs as `state_dict` saved them; returns their observation."""
         keys = ("state", "episode_return", "episode_length")
         self.state, self.episode_return, self.episode_length = (saved[k].to(self.device) for k in keys)
-        self.generator.set_state(saved["generator"])
+        if len(saved["generator"]) == len(self.generator.get_state()):
+            self.generator.set_state(saved["generator"])
+        else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
+            self.generator.manual_seed(saved["seed"])
         return self.state
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
