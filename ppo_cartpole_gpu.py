@@ -283,13 +283,11 @@ class SpinCart(CartPole):
         return self.state[:, 0].abs() > self.x_threshold
 
 
-ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}
-
-
 def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
     """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
     if envs is None:
-        return ENVS[args.env_id](args.num_envs, device, args.seed + rank)
+        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
+        return env_class(args.num_envs, device, args.seed + rank)
     if envs.num_envs != args.num_envs:
         raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
     if args.capture_video and not isinstance(envs, CartPole):
@@ -315,11 +313,9 @@ class Tanh(nn.Module):
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     """A 64-64 tanh network whose output layer starts at scale `out_std`."""
-    return nn.Sequential(
-        layer_init(nn.Linear(in_dim, 64)), Tanh(),
-        layer_init(nn.Linear(64, 64)), Tanh(),
-        layer_init(nn.Linear(64, out_dim), std=out_std),
-    )  # fmt: skip
+    return nn.Sequential(layer_init(nn.Linear(in_dim, 64)), Tanh(),
+                         layer_init(nn.Linear(64, 64)), Tanh(),
+                         layer_init(nn.Linear(64, out_dim), std=out_std))  # fmt: skip
 
 
 class Agent(nn.Module):

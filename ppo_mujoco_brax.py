@@ -368,11 +368,9 @@ class Tanh(nn.Module):
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     """A 64-64 tanh network whose output layer starts at scale `out_std`."""
-    return nn.Sequential(
-        layer_init(nn.Linear(in_dim, 64)), Tanh(),
-        layer_init(nn.Linear(64, 64)), Tanh(),
-        layer_init(nn.Linear(64, out_dim), std=out_std),
-    )  # fmt: skip
+    return nn.Sequential(layer_init(nn.Linear(in_dim, 64)), Tanh(),
+                         layer_init(nn.Linear(64, 64)), Tanh(),
+                         layer_init(nn.Linear(64, out_dim), std=out_std))  # fmt: skip
 
 
 def normalises_obs(args: Args) -> bool:

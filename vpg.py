@@ -1,8 +1,7 @@
 """Vanilla policy gradient (REINFORCE with a learned value baseline) on the tensor CartPole.
 
 The second rung of the ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py): a critic V(s) turns returns into
-advantages, which lowers the variance of the policy gradient. The environment, rollout and update all live on one
-device (`--device cuda` when a GPU is there, else the CPU).
+advantages, lowering the policy gradient's variance. Environment, rollout and update live on one device (`--device`).
 
 Run:
     python vpg.py                                   # defaults: solves CartPole on a laptop CPU
@@ -19,10 +18,9 @@ The update, one full-batch gradient step per use of a rollout:
     L_V  = ½ E[ (V_θ(s_t) - R_t)² ],  R_t = A_t + V_old(s_t)
     L    = L_π + c_vf L_V
 
-With `--rollout-use-count 1` (the default) w_t = 1 and this is plain VPG. Reusing a rollout K > 1 times makes the
-later gradient steps off-policy, which the importance weights π/π_old correct and the clipping keeps stable: this is
-the bridge to PPO, whose clipped surrogate lets the ratio itself carry the gradient (see ppo_cartpole_gpu.py, whose
-"detail N" numbering of Huang et al. 2022's implementation details the comments here share).
+With `--rollout-use-count 1` (the default) w_t = 1: plain VPG. Reusing a rollout K > 1 times makes the later steps
+off-policy, which the weights π/π_old correct and the clipping keeps stable: the bridge to PPO, whose clipped surrogate
+lets the ratio itself carry the gradient ("detail N": Huang et al. 2022's numbering, as in ppo_cartpole_gpu.py).
 
 Truncation is not failure: when an episode reaches the 500-step limit we bootstrap from the value of its real last
 observation (`info["final_obs"]`) instead of treating it as terminal.
@@ -281,13 +279,11 @@ class SpinCart(CartPole):
         return self.state[:, 0].abs() > self.x_threshold
 
 
-ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}
-
-
 def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
     """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
     if envs is None:
-        return ENVS[args.env_id](args.num_envs, device, args.seed + rank)
+        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
+        return env_class(args.num_envs, device, args.seed + rank)
     if envs.num_envs != args.num_envs:
         raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
     if args.capture_video and not isinstance(envs, CartPole):
@@ -313,11 +309,9 @@ class Tanh(nn.Module):
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     """A 64-64 tanh network whose output layer starts at scale `out_std`."""
-    return nn.Sequential(
-        layer_init(nn.Linear(in_dim, 64)), Tanh(),
-        layer_init(nn.Linear(64, 64)), Tanh(),
-        layer_init(nn.Linear(64, out_dim), std=out_std),
-    )  # fmt: skip
+    return nn.Sequential(layer_init(nn.Linear(in_dim, 64)), Tanh(),
+                         layer_init(nn.Linear(64, 64)), Tanh(),
+                         layer_init(nn.Linear(64, out_dim), std=out_std))  # fmt: skip
 
 
 class Agent(nn.Module):
@@ -536,11 +530,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Ten
 
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`rollout-use-count` gradient steps `step(batch)` on the whole batch; returns the mean loss statistics and the
-    critic's explained variance."""
-    history = []
-    for _ in range(args.rollout_use_count):  # from the second use on, the importance weights pi/pi_old matter
-        history.append(step(batch))
+    """`rollout-use-count` full-batch gradient steps `step(batch)`; returns mean loss statistics, explained variance."""
+    history = [step(batch) for _ in range(args.rollout_use_count)]  # from the 2nd use on, pi/pi_old matters
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
 
