@@ -368,11 +368,9 @@ class Tanh(nn.Module):
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     """A 64-64 tanh network whose output layer starts at scale `out_std`."""
-    return nn.Sequential(
-        layer_init(nn.Linear(in_dim, 64)), Tanh(),
-        layer_init(nn.Linear(64, 64)), Tanh(),
-        layer_init(nn.Linear(64, out_dim), std=out_std),
-    )  # fmt: skip
+    return nn.Sequential(layer_init(nn.Linear(in_dim, 64)), Tanh(),
+                         layer_init(nn.Linear(64, 64)), Tanh(),
+                         layer_init(nn.Linear(64, out_dim), std=out_std))  # fmt: skip
 
 
 def normalises_obs(args: Args) -> bool:
@@ -592,8 +590,7 @@ class LossOf(nn.Module):
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
     """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph: it cuts
     `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
-    clipping and Adam's update are written out, on the optimizer's own state (its state_dict and the eager path go on
-    from there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line."""
+    clipping and plain Adam's update are written out, on the optimizer's own state (which the eager path shares)."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
     plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
     if type(optimizer) is not torch.optim.Adam or not plain:
@@ -607,9 +604,8 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
 
     def step(lr, batch, idx=None):
         minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
-        grads, stats = torch.func.grad(lambda p, mb: torch.func.functional_call(loss_of, p, (mb,)), has_aux=True)(
-            params, minibatch
-        )
+        loss = lambda p, mb: torch.func.functional_call(loss_of, p, (mb,))
+        grads, stats = torch.func.grad(loss, has_aux=True)(params, minibatch)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
@@ -638,16 +634,14 @@ def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
-    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
-    returns are constant (as in CleanRL), where the ratio means nothing."""
+    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN (as CleanRL) for flat R."""
     var_returns = returns.var()
     return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
     """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a gradient `step(batch, idx)` on each,
-    ending early once the approximate KL exceeds `target-kl`. Returns the mean of each loss statistic and the
-    critic's explained variance."""
+    ending early once the approximate KL exceeds `target-kl`; returns the mean loss statistics, explained variance."""
     history = []
     for _ in range(args.update_epochs):
         for idx in torch.randperm(len(batch.actions), device=batch.actions.device).tensor_split(args.num_minibatches):

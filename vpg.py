@@ -1,8 +1,7 @@
 """Vanilla policy gradient (REINFORCE with a learned value baseline) on the tensor CartPole.
 
-The second rung of the ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py): a critic V(s)
-turns returns into advantages, which lowers the variance of the policy gradient. The environment,
-rollout and update all live on one device (`--device cuda` when a GPU is there, else the CPU).
+The second rung of the ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py): a critic V(s) turns returns into
+advantages, lowering the policy gradient's variance. Environment, rollout and update live on one device (`--device`).
 
 Run:
     python vpg.py                                   # defaults: solves CartPole on a laptop CPU
@@ -19,14 +18,12 @@ The update, one full-batch gradient step per use of a rollout:
     L_V  = ½ E[ (V_θ(s_t) - R_t)² ],  R_t = A_t + V_old(s_t)
     L    = L_π + c_vf L_V
 
-With `--rollout-use-count 1` (the default) w_t = 1 and this is plain VPG. Reusing a rollout K > 1
-times makes the later gradient steps off-policy, which the importance weights π/π_old correct
-and the clipping keeps stable: this is the bridge to PPO, whose clipped surrogate lets the ratio
-itself carry the gradient (see ppo_cartpole_gpu.py, whose "detail N" numbering of Huang et al.
-2022's implementation details the comments here share).
+With `--rollout-use-count 1` (the default) w_t = 1: plain VPG. Reusing a rollout K > 1 times makes the later steps
+off-policy, which the weights π/π_old correct and the clipping keeps stable: the bridge to PPO, whose clipped surrogate
+lets the ratio itself carry the gradient ("detail N": Huang et al. 2022's numbering, as in ppo_cartpole_gpu.py).
 
-Truncation is not failure: when an episode reaches the 500-step limit we bootstrap from the value
-of its real last observation (`info["final_obs"]`) instead of treating it as terminal.
+Truncation is not failure: when an episode reaches the 500-step limit we bootstrap from the value of its real last
+observation (`info["final_obs"]`) instead of treating it as terminal.
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Literal, NamedTuple, Optional
 
-# libgomp's OpenMP threads spin while they wait, starving ours when another program keeps a core busy (4x slower on
-# 2 cores); sleeping costs little. Set before torch loads OpenMP; a value you export wins (docs/running.md: threads).
+# OpenMP threads that sleep, not spin, while they wait (4x faster on a busy 2-core machine): set before torch loads it
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -59,6 +55,8 @@ import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
+
+THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
 @dataclass
@@ -157,21 +155,10 @@ def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
 
 
-THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
-
-
-# ----------------------------------------------------------------------------------------------
-# Environment
-# ----------------------------------------------------------------------------------------------
+# Environment ----------------------------------------------------------------------------------
 class CartPole:
-    """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`.
-
-    The interface of every env the trainer takes (the probes too): num_envs, obs_dim, num_actions, max_episode_steps,
-    reward_threshold (None: no "solved" level), device; reset() -> (obs, info); draw_initial_states(T), the states
-    finished envs restart from at each step; step(actions, initial_states=None) -> (obs, reward, terminated, truncated,
-    info), resetting finished envs inside (to `initial_states`, or states drawn here), with info["final_obs"] (the real
-    last observation), "episode_return" and "episode_length" where done; state_dict() and load_state_dict(saved) -> obs.
-    """
+    """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`. Its public attributes and
+    methods (reward_threshold None: no "solved" level) are the interface of every env the trainer takes (probes too)."""
 
     gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
     total_mass = masscart + masspole
@@ -179,28 +166,24 @@ class CartPole:
     polemass_length = masspole * length
     tau = 0.02  # seconds between state updates
     x_threshold, theta_threshold_radians = 2.4, 12 * 2 * math.pi / 360
-    max_episode_steps = 500
+    obs_dim, num_actions, max_episode_steps = 4, 2, 500
     reward_threshold: Optional[float] = 475.0  # CartPole-v1's "solved" level for the 100-episode mean
-    obs_dim, num_actions = 4, 2
 
     def __init__(self, num_envs: int, device: torch.device | str = "cpu", seed: int = 0):
-        self.num_envs = num_envs
-        self.device = torch.device(device)
+        self.num_envs, self.device = num_envs, torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        # On a GPU, reading which envs finished would stall the stream (see `_autoreset`).
-        self.sync_free_reset = self.device.type != "cpu"
+        self.sync_free_reset = self.device.type != "cpu"  # on a GPU, reading which envs finished stalls: `_autoreset`
         self.state = self._initial_states(num_envs)
         self.episode_return = torch.zeros(num_envs, device=self.device)
         self.episode_length = torch.zeros(num_envs, dtype=torch.int32, device=self.device)
 
-    def _initial_states(self, n: int) -> torch.Tensor:
-        # stored feature-major, (4, n) in memory and seen as (n, 4): see `step`
-        return torch.empty(4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).T
+    def _initial_states(self, *shape: int) -> torch.Tensor:
+        """States uniform in [-0.05, 0.05], (..., n, 4) for `shape` (..., n); feature-major in memory: see `step`."""
+        *lead, n = shape
+        return torch.empty(*lead, 4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).mT
 
     def draw_initial_states(self, num_steps: int) -> torch.Tensor:
-        # feature-major like `_initial_states`: (T, 4, N) in memory, seen as (T, N, 4)
-        shape = (num_steps, 4, self.num_envs)
-        return torch.empty(shape, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).transpose(1, 2)
+        return self._initial_states(num_steps, self.num_envs)  # (T, N, 4)
 
     def reset(self):
         self.state = self._initial_states(self.num_envs)
@@ -210,15 +193,20 @@ class CartPole:
 
     def state_dict(self) -> dict:
         """The envs' states, episode counters and generator: a checkpoint goes on exactly from them."""
+        generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
+        seed = int(torch.randint(2**62, (), device=self.device, generator=self.generator))
+        self.generator.set_state(generator)
         return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
-                "generator": self.generator.get_state()}  # fmt: skip
+                "generator": generator, "seed": seed}  # fmt: skip
 
     def load_state_dict(self, saved: dict) -> torch.Tensor:
         """The envs as `state_dict` saved them; returns their observation."""
-        self.state, self.episode_return, self.episode_length = (
-            saved[k].to(self.device) for k in ("state", "episode_return", "episode_length")
-        )
-        self.generator.set_state(saved["generator"])
+        keys = ("state", "episode_return", "episode_length")
+        self.state, self.episode_return, self.episode_length = (saved[k].to(self.device) for k in keys)
+        if len(saved["generator"]) == len(self.generator.get_state()):
+            self.generator.set_state(saved["generator"])
+        else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
+            self.generator.manual_seed(saved["seed"])
         return self.state
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
@@ -235,13 +223,11 @@ class CartPole:
         costheta, sintheta = torch.cos(theta), torch.sin(theta)
         # gymnasium's equations; addcmul(a, b, c, value=v) = a + v*b*c saves kernels
         temp = torch.addcmul(force, theta_dot.square(), sintheta, value=self.polemass_length) / self.total_mass
-        thetaacc = (self.gravity * sintheta - costheta * temp) / (
-            self.length * (4.0 / 3.0 - self.masspole / self.total_mass * costheta.square())
-        )
+        denominator = self.length * (4.0 / 3.0 - self.masspole / self.total_mass * costheta.square())
+        thetaacc = (self.gravity * sintheta - costheta * temp) / denominator
         xacc = torch.addcmul(temp, thetaacc, costheta, value=-self.polemass_length / self.total_mass)
-        # Explicit Euler, as gymnasium's default kinematics_integrator="euler". The state is kept
-        # feature-major ((4, N) in memory, seen as (N, 4)) so x, x_dot, ... are contiguous rows:
-        # elementwise ops on them are faster and stacking rows is ~9x cheaper than stacking columns.
+        # explicit Euler, as gymnasium's default kinematics_integrator="euler". The state is kept feature-major ((4, N)
+        # in memory, seen as (N, 4)) so x, x_dot, ... are contiguous rows: faster elementwise ops, ~9x cheaper stacking.
         derivatives = torch.stack((x_dot, xacc, theta_dot, thetaacc))
         self.state = torch.add(self.state.T, derivatives, alpha=self.tau).T
 
@@ -250,19 +236,16 @@ class CartPole:
         self.episode_return = self.episode_return + reward
         self.episode_length = self.episode_length + 1
         truncated = self.episode_length >= self.max_episode_steps
-        done = terminated | truncated
         info = {"final_obs": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length}
-        self._autoreset(done, initial_states)
+        self._autoreset(terminated | truncated, initial_states)
         return self.state, reward, terminated, truncated, info
 
     def _autoreset(self, done: torch.Tensor, initial_states: Optional[torch.Tensor]) -> None:
         """Give finished envs fresh initial states, out of place (info["final_obs"] keeps the old)."""
-        if initial_states is not None or self.sync_free_reset:
-            # a state for every env, kept where done: no host read of `done`
+        if initial_states is not None or self.sync_free_reset:  # a state for every env: no host read of `done`
             fresh = self._initial_states(self.num_envs) if initial_states is None else initial_states
             self.state = torch.where(done.unsqueeze(1), fresh, self.state)
-        else:
-            # no stream to stall on the CPU: draw for the finished envs only (~4x cheaper here)
+        else:  # no stream to stall on the CPU: draw for the finished envs only (~4x cheaper here)
             idx = done.nonzero().squeeze(1)
             self.state = self.state.index_put((idx,), self._initial_states(idx.numel()))
         self.episode_return = self.episode_return.masked_fill(done, 0.0)
@@ -296,13 +279,11 @@ class SpinCart(CartPole):
         return self.state[:, 0].abs() > self.x_threshold
 
 
-ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}
-
-
 def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
     """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
     if envs is None:
-        return ENVS[args.env_id](args.num_envs, device, args.seed + rank)
+        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
+        return env_class(args.num_envs, device, args.seed + rank)
     if envs.num_envs != args.num_envs:
         raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
     if args.capture_video and not isinstance(envs, CartPole):
@@ -310,9 +291,7 @@ def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
     return envs
 
 
-# ----------------------------------------------------------------------------------------------
-# Agent
-# ----------------------------------------------------------------------------------------------
+# Agent ----------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     """Orthogonal weights, constant bias (detail 2)."""
     nn.init.orthogonal_(layer.weight, std)
@@ -330,11 +309,9 @@ class Tanh(nn.Module):
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
     """A 64-64 tanh network whose output layer starts at scale `out_std`."""
-    return nn.Sequential(
-        layer_init(nn.Linear(in_dim, 64)), Tanh(),
-        layer_init(nn.Linear(64, 64)), Tanh(),
-        layer_init(nn.Linear(64, out_dim), std=out_std),
-    )  # fmt: skip
+    return nn.Sequential(layer_init(nn.Linear(in_dim, 64)), Tanh(),
+                         layer_init(nn.Linear(64, 64)), Tanh(),
+                         layer_init(nn.Linear(64, out_dim), std=out_std))  # fmt: skip
 
 
 class Agent(nn.Module):
@@ -342,21 +319,15 @@ class Agent(nn.Module):
 
     def __init__(self, obs_dim: int, num_actions: int):
         super().__init__()
-        self.critic = mlp(obs_dim, 1, out_std=1.0)
-        self.actor = mlp(obs_dim, num_actions, out_std=0.01)
+        self.critic, self.actor = mlp(obs_dim, 1, out_std=1.0), mlp(obs_dim, num_actions, out_std=0.01)
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
-    def get_action(self, obs: torch.Tensor, gumbel: Optional[torch.Tensor] = None, greedy: bool = False):
-        """Sample actions by Gumbel-max, argmax(logits + Gumbel noise), which samples the softmax distribution
-        in a few kernels; `gumbel` (the logits' shape) is drawn here when None. `greedy`: argmax(logits)."""
+    def get_action(self, obs: torch.Tensor, gumbel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Gumbel-max: argmax(logits + `gumbel` noise) samples the softmax in a few kernels; without noise: greedy."""
         logits = self.actor(obs)
-        if greedy:
-            return logits.argmax(-1)
-        if gumbel is None:
-            gumbel = -torch.empty_like(logits).exponential_().log()
-        return (logits + gumbel).argmax(-1)
+        return logits.argmax(-1) if gumbel is None else (logits + gumbel).argmax(-1)
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor):
         """Log-probability of `action`, entropy, and value."""
@@ -365,9 +336,7 @@ class Agent(nn.Module):
         return logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), entropy, self.get_value(obs)
 
 
-# ----------------------------------------------------------------------------------------------
-# Algorithm
-# ----------------------------------------------------------------------------------------------
+# Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
     """T steps of N envs, preallocated on the device (detail 1: one vectorised batch of envs)."""
 
@@ -382,9 +351,7 @@ class Rollout(NamedTuple):
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, obs_dim: int, device: torch.device) -> Rollout:
-        def zeros(*shape, dtype=torch.float32):
-            return torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
-
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(num_steps, num_envs, *shape, dtype=dtype, device=device)
         return Rollout(zeros(obs_dim), zeros(dtype=torch.long), zeros(), zeros(dtype=torch.bool),
                        zeros(dtype=torch.bool), zeros(obs_dim), zeros(), zeros(dtype=torch.int32))  # fmt: skip
 
@@ -421,13 +388,9 @@ def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noi
             rollout.obs[t] = obs
             action = agent.get_action(obs, noise.gumbel[t])
             obs, reward, terminated, truncated, info = envs.step(action, noise.initial_states[t])
-            rollout.actions[t] = action
-            rollout.rewards[t] = reward
-            rollout.terminated[t] = terminated
-            rollout.dones[t] = terminated | truncated
-            rollout.final_obs[t] = info["final_obs"]
-            rollout.episode_return[t] = info["episode_return"]
-            rollout.episode_length[t] = info["episode_length"]
+            rollout.actions[t], rollout.rewards[t], rollout.terminated[t] = action, reward, terminated
+            rollout.dones[t], rollout.final_obs[t] = terminated | truncated, info["final_obs"]
+            rollout.episode_return[t], rollout.episode_length[t] = info["episode_return"], info["episode_length"]
     return obs
 
 
@@ -517,8 +480,7 @@ class LossOf(nn.Module):
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
     """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph: it cuts
     `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
-    clipping and Adam's update are written out, on the optimizer's own state (its state_dict and the eager path go on
-    from there). Any other optimizer, or Adam with weight decay, amsgrad or maximize, is refused in one line."""
+    clipping and plain Adam's update are written out, on the optimizer's own state (which the eager path shares)."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
     plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
     if type(optimizer) is not torch.optim.Adam or not plain:
@@ -532,9 +494,8 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
 
     def step(lr, batch, idx=None):
         minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
-        grads, stats = torch.func.grad(lambda p, mb: torch.func.functional_call(loss_of, p, (mb,)), has_aux=True)(
-            params, minibatch
-        )
+        loss = lambda p, mb: torch.func.functional_call(loss_of, p, (mb,))
+        grads, stats = torch.func.grad(loss, has_aux=True)(params, minibatch)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
@@ -563,18 +524,14 @@ def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
-    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
-    returns are constant (as in CleanRL), where the ratio means nothing."""
+    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN (as CleanRL) for flat R."""
     var_returns = returns.var()
     return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`rollout-use-count` gradient steps `step(batch)` on the whole batch.
-    Returns the mean of each loss statistic and the critic's explained variance."""
-    history = []
-    for _ in range(args.rollout_use_count):  # from the second use on, the importance weights pi/pi_old matter
-        history.append(step(batch))
+    """`rollout-use-count` full-batch gradient steps `step(batch)`; returns mean loss statistics, explained variance."""
+    history = [step(batch) for _ in range(args.rollout_use_count)]  # from the 2nd use on, pi/pi_old matters
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
 
@@ -607,9 +564,7 @@ def train(args: Args, envs=None) -> Agent:
     return agent
 
 
-# ----------------------------------------------------------------------------------------------
-# What the run management asks of the environment: finished episodes, evaluation, videos
-# ----------------------------------------------------------------------------------------------
+# What the run management asks of the environment: finished episodes, evaluation, videos -------
 def finished_episodes(rollout: Rollout):
     """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
     return rollout.dones, rollout.episode_return, rollout.episode_length
@@ -626,7 +581,7 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float
         for _ in range(envs.max_episode_steps):
             playing = returns[:16].isnan().unsqueeze(1)
             frames.append(torch.where(playing, obs[:16], frames[-1]) if frames else obs[:16])
-            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs, greedy=True))
+            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise
             returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
             if not returns.isnan().any():
                 break
@@ -648,23 +603,18 @@ def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) ->
 def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
     """CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8 in tensor ops: gymnasium's picture (track,
     black cart, brown pole, blue axle) scaled from its 600x400 screen, without pygame."""
-    lead = states.shape[:-1]
-    s = states.reshape(-1, 4).float()
-    unit = width / 600.0  # gymnasium draws on a 600-pixel-wide screen
-    scale = width / (2 * CartPole.x_threshold)
-    cart_w, cart_h, pole_w = 50 * unit, 30 * unit, 10 * unit
-    pole_len = scale * 2 * CartPole.length
+    s = states.reshape(-1, 4, 1, 1).float()  # a state's numbers broadcast over its frame's pixels
+    unit, scale = width / 600.0, width / (2 * CartPole.x_threshold)  # gymnasium draws on a 600-pixel-wide screen
+    cart_w, cart_h, pole_w, pole_len = 50 * unit, 30 * unit, 10 * unit, scale * 2 * CartPole.length
     track_y = height * 0.75
-    ys = torch.arange(height, device=s.device, dtype=torch.float32).view(1, height, 1) + 0.5
-    xs = torch.arange(width, device=s.device, dtype=torch.float32).view(1, 1, width) + 0.5
-    cart_x = (s[:, 0] * scale + width / 2).view(-1, 1, 1)
-    axle_y = track_y - cart_h / 4
-    sin, cos = torch.sin(s[:, 2]).view(-1, 1, 1), torch.cos(s[:, 2]).view(-1, 1, 1)
+    ys = torch.arange(height, device=s.device, dtype=torch.float32).view(height, 1) + 0.5
+    xs = torch.arange(width, device=s.device, dtype=torch.float32) + 0.5
+    cart_x, sin, cos = s[:, 0] * scale + width / 2, torch.sin(s[:, 2]), torch.cos(s[:, 2])
     # distance of each pixel from the pole's axis segment, from the axle to the tip
-    px, py = xs - cart_x, axle_y - ys  # pixel relative to the axle, y up
+    px, py = xs - cart_x, track_y - cart_h / 4 - ys  # pixel relative to the axle, y up
     along = (px * sin + py * cos).clamp(0.0, pole_len)
     pole = (px - along * sin).square() + (py - along * cos).square() <= (pole_w / 2) ** 2
-    cart = ((xs - cart_x).abs() <= cart_w / 2) & (ys >= track_y - cart_h / 2) & (ys <= track_y + cart_h / 2)
+    cart = (px.abs() <= cart_w / 2) & (ys >= track_y - cart_h / 2) & (ys <= track_y + cart_h / 2)
     axle = px.square() + py.square() <= (pole_w / 2) ** 2
     track = (ys - track_y).abs() <= 0.5
 
@@ -672,7 +622,7 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
     for mask, colour in ((track.expand_as(cart), (0, 0, 0)), (cart, (0, 0, 0)), (pole, (202, 152, 101)),
                          (axle, (129, 132, 203))):  # fmt: skip
         frame[mask] = torch.tensor(colour, dtype=torch.uint8, device=s.device)
-    return frame.view(*lead, height, width, 3)
+    return frame.view(*states.shape[:-1], height, width, 3)
 
 
 def grid_video(obs: torch.Tensor) -> np.ndarray:
