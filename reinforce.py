@@ -121,10 +121,8 @@ class Args:
 
     def __post_init__(self):
         """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: `main`)."""
-        check_flags(self, {
-            "num_envs": (self.num_envs > 0, "positive"),
-            "num_steps": (self.num_steps > 0, "positive"),
-            "total_timesteps": (self.total_timesteps > 0, "positive"),
+        positive = ("num_envs", "num_steps", "total_timesteps")
+        check_flags(self, {name: (getattr(self, name) > 0, "positive") for name in positive} | {
             "learning_rate": (self.learning_rate > 0, "> 0"),
             "gamma": (0 < self.gamma <= 1, "in (0, 1]"),
             "ent_coef": (self.ent_coef >= 0, ">= 0"),
@@ -146,10 +144,8 @@ class CartPole:
     methods (reward_threshold None: no "solved" level) are the interface of every env the trainer takes (probes too)."""
 
     gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
-    total_mass = masscart + masspole
-    length = 0.5  # half the pole's length
-    polemass_length = masspole * length
-    tau = 0.02  # seconds between state updates
+    length, tau = 0.5, 0.02  # half the pole's length; seconds between state updates
+    total_mass, polemass_length = masscart + masspole, masspole * length
     x_threshold, theta_threshold_radians = 2.4, 12 * 2 * math.pi / 360
     obs_dim, num_actions, max_episode_steps = 4, 2, 500
     reward_threshold: Optional[float] = 475.0  # CartPole-v1's "solved" level for the 100-episode mean
@@ -179,7 +175,7 @@ class CartPole:
     def state_dict(self) -> dict:
         """The envs' states, episode counters and generator: a checkpoint goes on exactly from them."""
         generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
-        seed = int(torch.randint(2**62, (), device=self.device, generator=self.generator))
+        seed = torch.randint(2**62, (), device=self.device, generator=self.generator)
         self.generator.set_state(generator)
         return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
                 "generator": generator, "seed": seed}  # fmt: skip
@@ -191,7 +187,7 @@ class CartPole:
         if len(saved["generator"]) == len(self.generator.get_state()):
             self.generator.set_state(saved["generator"])
         else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
-            self.generator.manual_seed(saved["seed"])
+            self.generator.manual_seed(int(saved["seed"]))
         return self.state
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
@@ -215,7 +211,6 @@ class CartPole:
         # in memory, seen as (N, 4)) so x, x_dot, ... are contiguous rows: faster elementwise ops, ~9x cheaper stacking.
         derivatives = torch.stack((x_dot, xacc, theta_dot, thetaacc))
         self.state = torch.add(self.state.T, derivatives, alpha=self.tau).T
-
         terminated = self.terminated()
         reward = self.reward_function(action)
         self.episode_return = self.episode_return + reward
@@ -285,8 +280,7 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Tanh(nn.Module):
-    """tanh; in a torch.compile'd graph written 2σ(2x) - 1, the same within 2e-7: inductor's exact tanh
-    kernel costs ~2x as much on a CPU, where the activations are a large share of a small net's time."""
+    """tanh; compiled, 2σ(2x) - 1 (equal within 2e-7): inductor's exact tanh costs ~2x as much on a CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * torch.sigmoid(2 * x) - 1 if torch.compiler.is_compiling() else torch.tanh(x)
@@ -339,8 +333,7 @@ class Rollout(NamedTuple):
 
 
 class RolloutNoise(NamedTuple):
-    """A rollout's random numbers, drawn before it: with them passed in, `collect_rollout` is pure tensor
-    code that torch.compile makes one graph (a seeded torch.Generator would split the graph)."""
+    """A rollout's random numbers, drawn before it: `collect_rollout` is then pure tensor code, one compiled graph."""
 
     gumbel: torch.Tensor  # (T, N, num_actions) Gumbel noise, -log(Exp(1)), for sampling the actions
     initial_states: torch.Tensor  # (T, N, obs_dim) where an env restarts if its episode ends at step t
@@ -542,10 +535,9 @@ def finished_episodes(rollout: Rollout):
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
     """The return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy; with a
     `video` path, a grid video there of (up to 16 of) them, a frame per step, each held still once its episode ends."""
-    n = args.eval_episodes
-    envs = type(envs)(n, envs.device, args.seed + 1)
+    envs = type(envs)(args.eval_episodes, envs.device, args.seed + 1)
     obs, _ = envs.reset()
-    returns, frames = torch.full((n,), float("nan"), device=envs.device), []
+    returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
     with torch.no_grad():
         for _ in range(envs.max_episode_steps):
             playing = returns[:16].isnan().unsqueeze(1)
@@ -555,18 +547,13 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float
             if not returns.isnan().any():
                 break
     if video is not None:
-        with video_writer(video, fps=round(1 / envs.tau)) as writer:  # real time: 50 fps
-            for frame in grid_video(torch.stack(frames)):
-                writer.append_data(frame)
+        grid_video(video, torch.stack(frames), fps=round(1 / envs.tau))  # real time: 50 fps
     return returns.tolist()
 
 
 def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
     """A grid video of (up to 16 of) the envs of `rollout` at `path`; returns the path."""
-    with video_writer(path, fps=50) as writer:
-        for frame in grid_video(rollout.obs):
-            writer.append_data(frame)
-    return path
+    return grid_video(path, rollout.obs, fps=50)
 
 
 def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
@@ -586,7 +573,6 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
     cart = (px.abs() <= cart_w / 2) & (ys >= track_y - cart_h / 2) & (ys <= track_y + cart_h / 2)
     axle = px.square() + py.square() <= (pole_w / 2) ** 2
     track = (ys - track_y).abs() <= 0.5
-
     frame = torch.full((s.shape[0], height, width, 3), 255, dtype=torch.uint8, device=s.device)
     for mask, colour in ((track.expand_as(cart), (0, 0, 0)), (cart, (0, 0, 0)), (pole, (202, 152, 101)),
                          (axle, (129, 132, 203))):  # fmt: skip
@@ -594,19 +580,21 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
     return frame.view(*states.shape[:-1], height, width, 3)
 
 
-def grid_video(obs: torch.Tensor) -> np.ndarray:
-    """Frames (T, rows*h, cols*w, 3) uint8 of up to 16 envs of CartPole observations (T, N, 4), tiled as squarely
-    as they fit without a wasted row (10 envs: 3x4, 16: 4x4)."""
+def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
+    """An MP4 at `path` of up to 16 envs of CartPole observations (T, N, 4), a frame per step, tiled as squarely as they
+    fit without a wasted row (10 envs: 3x4, 16: 4x4); returns the path."""
     frames = draw(obs[:, :16])  # (T, n, h, w, 3)
     t, n, h, w, _ = frames.shape
-    rows = math.isqrt(n)
-    cols = -(-n // rows)
+    rows, cols = math.isqrt(n), -(-n // math.isqrt(n))
     if n < rows * cols:  # blank tiles fill the last row
         frames = torch.cat((frames, frames.new_full((t, rows * cols - n, h, w, 3), 255)), dim=1)
     frames[:, :, [0, -1]] = 128  # thin grey border between tiles
     frames[:, :, :, [0, -1]] = 128
     frames = frames.view(t, rows, cols, h, w, 3).permute(0, 1, 3, 2, 4, 5).reshape(t, rows * h, cols * w, 3)
-    return frames.cpu().numpy()
+    with video_writer(path, fps) as writer:
+        for frame in frames.cpu().numpy():
+            writer.append_data(frame)
+    return path
 
 
 def video_writer(path: str, fps: int):

@@ -5,6 +5,7 @@ import io
 import math
 
 import gymnasium as gym
+import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_a_checkpoint_of_the_other_kind_of_device_reseeds_from_its_seed(P):
     saved["generator"] = torch.zeros(16, dtype=torch.uint8)
     a, b, push = P.CartPole(8, "cpu", seed=1), P.CartPole(8, "cpu", seed=2), torch.ones(8, dtype=torch.long)
     assert torch.equal(a.load_state_dict(saved), saved["state"]) and torch.equal(b.load_state_dict(saved), a.state)
-    assert torch.equal(a.generator.get_state(), torch.Generator().manual_seed(saved["seed"]).get_state())
+    assert torch.equal(a.generator.get_state(), torch.Generator().manual_seed(int(saved["seed"])).get_state())
     for _ in range(40):
         assert torch.equal(a.step(push)[0], b.step(push)[0])
 
@@ -173,7 +174,7 @@ def test_shaped_envs(P):
     assert r_spin[:500].min() > 0.9  # fast spin at the centre earns nearly the maximum
 
 
-def test_draw_frames(P):
+def test_draw_frames(P, tmp_path):
     frames = P.draw(torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.5, 0.0]]), width=150, height=100)
     assert frames.shape == (2, 100, 150, 3) and frames.dtype == torch.uint8
     # upright pole above the centred cart; cart black at the track; background white
@@ -187,5 +188,7 @@ def test_draw_frames(P):
     assert pole[:, 1].mean() > 75 + 150 / 4.8
     # the grid is as square as the envs fill without a wasted row: 3 envs 1x3, 10 envs 3x4, 16 or more 4x4
     for envs, (rows, cols) in ((3, (1, 3)), (10, (3, 4)), (16, (4, 4)), (64, (4, 4))):
-        grid = P.grid_video(torch.zeros(5, envs, 4))
-        assert grid.shape == (5, rows * 100, cols * 150, 3) and grid.dtype == np.uint8
+        path = P.grid_video(str(tmp_path / f"{envs}.mp4"), torch.zeros(5, envs, 4), fps=50)
+        with imageio.get_reader(path) as video:
+            frames = [frame for frame in video]
+        assert len(frames) == 5 and frames[0].shape == (rows * 100, cols * 150, 3)
