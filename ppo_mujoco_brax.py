@@ -340,15 +340,16 @@ class Agent(nn.Module):
 
     def __init__(self, obs_dim: int, action_dim: int, norm_obs: bool = True):
         super().__init__()
-        self.norm_obs = norm_obs
+        # a buffer, saved with the model: a loaded model normalises its inputs, or not, as it was trained
+        self.register_buffer("norm_obs", torch.tensor(norm_obs))
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
-        """Observations scaled by the running mean and std (unchanged with --no-norm-obs)."""
-        return self.obs_rms.normalize(obs) if self.norm_obs else obs
+        """Observations scaled by the running mean and std if the agent normalises them (torch.where: no GPU sync)."""
+        return torch.where(self.norm_obs, self.obs_rms.normalize(obs), obs)
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)

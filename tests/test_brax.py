@@ -129,6 +129,27 @@ def test_normaliser_is_saved_with_the_model():
     torch.testing.assert_close(copy.obs_rms.var, agent.obs_rms.var)
 
 
+@pytest.mark.parametrize("trained_with, flags", [(True, {}), (False, {"norm_obs": "on"})])
+def test_eval_only_normalises_observations_as_the_model_was_trained(trained_with, flags, in_tmp):
+    """--eval-only --load-model follows the model, not its own --norm-obs: a model trained on normalised observations,
+    evaluated on inverted_pendulum (where auto means raw), still normalises them, and a raw one stays raw under
+    --norm-obs on. (The setting used to come from the evaluation's flags, with no warning.) A model saved without
+    the setting is refused in one line."""
+    agent = B.Agent(4, 1, norm_obs=trained_with)
+    agent.obs_rms.update(torch.randn(100, 4) * 3 + 1)
+    torch.save(agent.state_dict(), "model.cleanrl_model")
+    args = B.Args(env_id="inverted_pendulum", num_envs=4, num_minibatches=4, episode_length=5, eval_episodes=4,
+                  eval_only=True, load_model="model.cleanrl_model", device="cpu", **flags)  # fmt: skip
+    loaded = B.train(args)
+    obs = torch.randn(8, 4)
+    torch.testing.assert_close(loaded.normalize(obs), agent.obs_rms.normalize(obs) if trained_with else obs)
+    torch.save({k: v for k, v in agent.state_dict().items() if k != "norm_obs"}, "old.cleanrl_model")
+    command = ["--env-id", "inverted_pendulum", "--num-envs", "4", "--num-minibatches", "4", "--episode-length",
+               "5", "--eval-episodes", "4", "--eval-only", "--load-model", "old.cleanrl_model"]  # fmt: skip
+    message = 'error: --load-model old.cleanrl_model does not fit this agent: Missing key(s) in state_dict: "norm_obs"'
+    assert_one_error_line(call_main("ppo_mujoco_brax", *command, cwd=in_tmp), message)
+
+
 @pytest.mark.parametrize("env_id", ["inverted_pendulum", "inverted_double_pendulum", "hopper", "ant", "halfcheetah"])
 def test_norm_obs_auto_leaves_the_pendulums_and_hopper_raw(env_id):
     raw = env_id in ("inverted_pendulum", "inverted_double_pendulum", "hopper")
