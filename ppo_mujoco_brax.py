@@ -1,8 +1,7 @@
 """PPO for continuous control on Brax physics (JAX), with a torch policy and zero-copy DLPack.
 
-Brax simulates thousands of MuJoCo-style robots in parallel in jit-compiled JAX; the policy, the
-rollout buffer and the PPO update are torch. Observations, rewards and actions cross between the
-two through DLPack without copies (on the CPU, and on the GPU when both use the same card).
+Brax simulates thousands of MuJoCo-style robots in parallel in jit-compiled JAX; the policy, the rollout buffer and
+the PPO update are torch, and observations, rewards and actions cross between the two through DLPack without copies.
 
 Run:
     python ppo_mujoco_brax.py                                     # ant, spring backend, 2048 envs
@@ -10,8 +9,7 @@ Run:
     python ppo_mujoco_brax.py --env-id hopper --capture-video     # brax's HTML viewer (+ MP4 where it can render)
     tensorboard --logdir runs
 
-The update (Schulman et al. 2017; CleanRL's continuous-action details), with Brax's PPO defaults for many
-parallel envs (short unrolls, large batches, ε = 0.3, no value clipping) but CleanRL's γ = 0.99:
+The update (Schulman et al. 2017; CleanRL's continuous-action details), defaults as Brax's PPO but γ = 0.99:
     π_θ(a|s) = N(μ_θ(s), diag(exp(log σ)²)),  log σ a learned state-independent vector
     s normalised by a running mean/std (--norm-obs), r scaled by a running std of the discounted return
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)         s'_t: the real next state, also when
@@ -223,7 +221,8 @@ def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
         fresh, _, _, key = reset(key)  # new episodes for the finished envs (drawn for all: no dynamic shapes in jit)
         pick = lambda new, old: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)
         state = jax.tree.map(pick, fresh, nxt)
-        out = (state.obs, nxt.reward, terminated, truncated, nxt.obs, ret, length)
+        info = dict(final_obs=nxt.obs, episode_return=ret, episode_length=length)  # valid where done
+        out = (state.obs, nxt.reward, terminated, truncated, info)
         return state, jnp.where(done, 0, length), jnp.where(done, 0.0, ret), key, out
 
     return env, jax.jit(reset), jax.jit(step)
@@ -239,12 +238,10 @@ class BraxVecEnv:
         self.jax = jax = import_brax()[0]
         self.env, self._reset, self._step = jitted_env(env_id, backend, num_envs, episode_length)
         self.device = torch.device(device)
-        # where JAX computes; torch tensors on another device are moved (copied) across
-        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")
+        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")  # tensors elsewhere: copied
         self.num_envs, self.max_episode_steps = num_envs, episode_length
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
-        # a key committed to JAX's device (this rank's GPU under torchrun) as reset's and step's outputs are: with an
-        # uncommitted one, the first reset and step would be compiled a second time
+        # on JAX's device (this rank's GPU under torchrun) like the outputs of reset and step, or both compile twice
         jax_index = int(os.environ.get("LOCAL_RANK", "0")) % len(jax.devices())
         self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[jax_index])
         # compile now rather than in the first training steps: a reset and a step (reset() starts afresh)
@@ -273,9 +270,7 @@ class BraxVecEnv:
         self.state, self._length, self._return, self._key, out = self._step(
             self.state, self._length, self._return, self._key, self.to_jax(action.float())
         )
-        obs, reward, terminated, truncated, final_obs, ret, length = (self.to_torch(x) for x in out)
-        info = {"final_obs": final_obs, "episode_return": ret, "episode_length": length}
-        return obs, reward, terminated, truncated, info
+        return self.jax.tree.map(self.to_torch, out)  # (obs, reward, terminated, truncated, info)
 
 
 # Agent ----------------------------------------------------------------------------------------
@@ -416,8 +411,7 @@ class RewardScaler(nn.Module):
         self.discounted_return = self.discounted_return.masked_fill(done, 0.0)
         return reward / torch.sqrt(self.return_rms.var.float() + 1e-8)
 
-    def update(self) -> None:
-        """Add this rollout's discounted returns to the statistics."""
+    def update(self) -> None:  # this rollout's discounted returns join the statistics
         self.return_rms.update(torch.stack(self.rollout_returns))
         self.rollout_returns.clear()
 
