@@ -138,7 +138,7 @@ class Args:
     load_model: Optional[str] = None
     """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
     eval_episodes: int = 16
-    """episodes of the deterministic (mean-action) policy evaluated after training (0 skips)"""
+    """episodes of the deterministic (mean-action) policy evaluated after training, on as many new envs (0 skips)"""
     progress_bar: bool = True
     """show a live progress bar with SPS, the recent return and the time left"""
 
@@ -149,9 +149,7 @@ class Args:
             "env_id": (self.env_id in get_args(EnvId), f"one of {', '.join(get_args(EnvId))}"),
             "backend": (self.backend in get_args(Backend), f"one of {', '.join(get_args(Backend))}"),
             "norm_obs": (self.norm_obs in get_args(NormObs), f"one of {', '.join(get_args(NormObs))}"),
-            "episode_length": (self.episode_length > 0, "positive"),
-            "num_envs": (self.num_envs >= self.eval_episodes and self.num_envs > 0,
-                         "positive and at least --eval-episodes (the evaluation plays on as many envs)"),
+            "episode_length": (self.episode_length > 0, "positive"), "num_envs": (self.num_envs > 0, "positive"),
             "num_steps": (self.num_steps > 0, "positive"), "update_epochs": (self.update_epochs > 0, "positive"),
             "num_minibatches": (self.num_minibatches > 0 and batch_size % self.num_minibatches == 0,
                                 f"a divisor of --num-envs * --num-steps = {batch_size}"),
@@ -627,32 +625,29 @@ def finished_episodes(rollout: Rollout):
 
 
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
-    """Return of the first episode of `eval-episodes` fresh envs under the mean action (a copy of the training envs,
-    seeded apart: same compiled code, and --eval-only on the saved model plays the same episodes); with a `video`
-    path, one more episode filmed there (see `film`)."""
-    envs = BraxVecEnv(args.env_id, args.backend, envs.num_envs, args.episode_length, envs.device, args.seed + 1)
+    """The return of one episode in each of `eval-episodes` new envs under the mean action (seeded --seed + 1, so
+    --eval-only on the saved model plays the same episodes); with a `video` path, one more episode filmed there."""
+    envs = BraxVecEnv(args.env_id, args.backend, args.eval_episodes, args.episode_length, envs.device, args.seed + 1)
     obs, _ = envs.reset()
     returns = torch.full((envs.num_envs,), float("nan"), device=envs.device)
     with torch.no_grad():
         for _ in range(envs.max_episode_steps):
             obs, _, terminated, truncated, info = envs.step(agent.get_action(agent.normalize(obs), greedy=True))
             returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
-            if not returns[: args.eval_episodes].isnan().any():
+            if not returns.isnan().any():
                 break
     if video is not None:
         record_video(agent, envs, None, args, video)
-    return returns[: args.eval_episodes].tolist()
+    return returns.tolist()
 
 
 def record_video(agent: Agent, envs, rollout: Optional[Rollout], args: Args, path: str) -> Optional[str]:
-    """Play one episode under the mean action on a 1-env copy of the env (not `envs`: training goes on undisturbed),
-    and write brax's HTML viewer of it next to `path` (.html) and, where an offscreen renderer works, the MP4 at
-    `path`; returns the MP4's path or None."""
+    """One episode under the mean action on a 1-env copy of the env (not `envs`: training goes on undisturbed), as
+    brax's HTML viewer next to `path` and, where an offscreen renderer works, the MP4 at `path`: returns it or None."""
     from brax.io import html
 
-    device, states = agent.obs_rms.mean.device, []
-    env = BraxVecEnv(args.env_id, args.backend, 1, args.episode_length, device, args.seed + 1)
-    obs, _ = env.reset()
+    env = BraxVecEnv(args.env_id, args.backend, 1, args.episode_length, envs.device, args.seed + 1)
+    obs, states = env.reset()[0], []
     with torch.no_grad():
         for _ in range(env.max_episode_steps):
             states.append(env.jax.tree.map(lambda x: x[0], env.state.pipeline_state))
