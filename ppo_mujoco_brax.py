@@ -9,7 +9,7 @@ Run:
     python ppo_mujoco_brax.py --env-id hopper --capture-video     # brax's HTML viewer (+ MP4 where it can render)
     tensorboard --logdir runs
 
-The update (Schulman et al. 2017; CleanRL's continuous-action details), defaults as Brax's PPO but γ = 0.99:
+The update (Schulman et al. 2017; CleanRL's continuous-action details), with Brax's PPO defaults but CleanRL's γ:
     π_θ(a|s) = N(μ_θ(s), diag(exp(log σ)²)),  log σ a learned state-independent vector
     s normalised by a running mean/std (--norm-obs), r scaled by a running std of the discounted return
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)         s'_t: the real next state, also when
@@ -236,10 +236,10 @@ class BraxVecEnv:
         self.jax = jax = import_brax()[0]
         self.env, self._reset, self._step = jitted_env(env_id, backend, num_envs, episode_length)
         self.device = torch.device(device)
-        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")  # tensors elsewhere: copied
+        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")  # to_jax copies there
         self.num_envs, self.max_episode_steps = num_envs, episode_length
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
-        # on JAX's device (this rank's GPU under torchrun) like the outputs of reset and step, or both compile twice
+        # committed to JAX's device (this rank's GPU under torchrun) like reset's and step's outputs: no 2nd compilation
         jax_index = int(os.environ.get("LOCAL_RANK", "0")) % len(jax.devices())
         self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[jax_index])
         # compile now rather than in the first training steps: a reset and a step (reset() starts afresh)
@@ -409,7 +409,8 @@ class RewardScaler(nn.Module):
         self.discounted_return = self.discounted_return.masked_fill(done, 0.0)
         return reward / torch.sqrt(self.return_rms.var.float() + 1e-8)
 
-    def update(self) -> None:  # this rollout's discounted returns join the statistics
+    def update(self) -> None:
+        """This rollout's discounted returns join the statistics."""
         self.return_rms.update(torch.stack(self.rollout_returns))
         self.rollout_returns.clear()
 
