@@ -286,8 +286,11 @@ class RunningMeanStd(nn.Module):
         x = x.reshape(-1, *self.mean.shape).double()
         batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
         if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun: the statistics of all ranks' batches
-            sum_x, sum_x2, n = mean_over_ranks([x.sum(0), x.square().sum(0), x.new_tensor(n)])  # all / world size
-            batch_mean, batch_var = sum_x / n, sum_x2 / n - (sum_x / n).square()
+            sums = torch.cat((x.sum(0).flatten(), x.square().sum(0).flatten(), x.new_tensor([n])))
+            dist.all_reduce(sums)
+            n = sums[-1]
+            batch_mean = (sums[: self.mean.numel()] / n).view_as(self.mean)
+            batch_var = (sums[self.mean.numel() : -1] / n).view_as(self.mean) - batch_mean.square()
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total
         self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
