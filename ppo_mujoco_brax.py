@@ -1,37 +1,22 @@
 """PPO for continuous control on Brax physics (JAX), with a torch policy and zero-copy DLPack.
 
-Brax simulates thousands of MuJoCo-style robots in parallel in jit-compiled JAX; the policy, the
-rollout buffer and the PPO update are torch. Observations, rewards and actions cross between the
-two through DLPack without copies (on the CPU, and on the GPU when both use the same card).
+Brax simulates thousands of MuJoCo-style robots in parallel in jit-compiled JAX; the policy, the rollout buffer and
+the PPO update are torch, and observations, rewards and actions cross between the two through DLPack without copies.
 
 Run:
     python ppo_mujoco_brax.py                                     # ant, spring backend, 2048 envs
     python ppo_mujoco_brax.py --env-id inverted_pendulum --total-timesteps 2000000
-    python ppo_mujoco_brax.py --env-id humanoid --backend generalized --device cuda
     python ppo_mujoco_brax.py --env-id hopper --capture-video     # brax's HTML viewer (+ MP4 where it can render)
     tensorboard --logdir runs
 
-Environment: `brax.envs.get_environment(env_id, backend=...)`, jit(vmap(reset/step)) over
-`--num-envs`, with our own auto-reset: Brax's AutoResetWrapper sends a finished env back to the
-state of its very first reset (episodes are never re-randomised) and drops the final observation,
-so finished envs here are reset from fresh random keys and the real last observation is kept in
-`info["final_obs"]`. Episodes are cut at `--episode-length` steps (truncated, not terminated).
-Actions are clipped to Brax's [-1, 1] when stepping.
-
-Backend: `spring` by default, the fastest of Brax's pipelines (about 2x `generalized` for ant on
-a CPU here); `generalized` is the most faithful to MuJoCo, `positional` and `mjx` lie between.
-
-The update (Schulman et al. 2017; CleanRL's continuous-action details):
+The update (Schulman et al. 2017; CleanRL's continuous-action details), with Brax's PPO defaults but CleanRL's γ:
     π_θ(a|s) = N(μ_θ(s), diag(exp(log σ)²)),  log σ a learned state-independent vector
-    s normalised by a running mean/std (--norm-obs auto: not on the pendulums and hopper), r scaled by a
-      running std of the discounted return
+    s normalised by a running mean/std (--norm-obs), r scaled by a running std of the discounted return
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)         s'_t: the real next state, also when
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}                       the episode was cut by the time limit
     L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ],  r_t(θ) = π_θ(a_t|s_t) / π_θold(a_t|s_t)
     L_V     = ½ E[(V_θ(s_t) - R_t)²],  R_t = Â_t + V_old(s_t)      (--clip-vloss: clipped around V_old as in PPO2)
     L       = L_clip - c_ent H[π_θ] + c_vf L_V
-Defaults follow Brax's own PPO settings for many parallel envs (short unrolls, large batches,
-4 epochs, 32 minibatches, ε = 0.3, lr 3e-4, no value clipping), with CleanRL's γ = 0.99.
 """
 
 from __future__ import annotations
@@ -70,7 +55,6 @@ EnvId = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid", "inverte
                 "reacher", "pusher"]  # fmt: skip
 Backend = Literal["spring", "positional", "generalized", "mjx"]
 NormObs = Literal["auto", "on", "off"]
-# where raw observations learned better than normalised ones (docs/ppo_mujoco_brax.md: "Observation normalisation")
 RAW_OBS_ENVS = ("inverted_pendulum", "inverted_double_pendulum", "hopper")
 
 
@@ -94,8 +78,7 @@ class Args:
     anneal_lr: bool = True
     """anneal the learning rate linearly to 0 over the run"""
     gamma: float = 0.99
-    """discount factor (0.99, as CleanRL's MuJoCo PPO; at Brax's 0.97, a ~33-step horizon,
-    inverted_pendulum policies let the cart drift and fail at step 750-960 of 1000, stalling below 900)"""
+    """discount factor (CleanRL's; at Brax's 0.97, a ~33-step horizon, inverted_pendulum stalled below 900)"""
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
     num_minibatches: int = 32
@@ -105,8 +88,7 @@ class Args:
     norm_adv: bool = True
     """normalise advantages per minibatch"""
     norm_obs: NormObs = "auto"
-    """normalise observations with a running mean and std (kept with the model); auto: off for
-    inverted_pendulum, inverted_double_pendulum and hopper, where raw observations learned better, on elsewhere"""
+    """normalise observations by a running mean and std; auto: off for the pendulums and hopper (raw learned better)"""
     norm_reward: bool = True
     """scale rewards by a running std of the discounted return"""
     clip_coef: float = 0.3
@@ -134,8 +116,7 @@ class Args:
     torch_threads: int = 0
     """CPU threads for torch (ignored on GPU); 0: one below 1024 envs (ops too small to share), else one per core"""
     compile: bool = False
-    """torch.compile the batch preparation and the gradient step into graphs (the env step is Brax's own
-    jitted JAX): faster iterations after a one-off compilation in iteration 1 (not counted in SPS)"""
+    """torch.compile the batch preparation and the gradient step (faster after compiling in iteration 1, not in SPS)"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -143,9 +124,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the W&B entity (team); None uses your default"""
     capture_video: bool = False
-    """film one episode of the mean-action policy on a separate 1-env copy of the env, every `video-interval`
-    iterations and after training (with the evaluation): brax's HTML viewer, and an MP4 where an offscreen
-    renderer works"""
+    """film a mean-action episode on a 1-env copy of the env every `video-interval` iterations and at the end"""
     video_interval: int = 0
     """iterations between two videos, the first at iteration 1 (0: only the video after training)"""
     save_model: bool = False
@@ -159,7 +138,7 @@ class Args:
     load_model: Optional[str] = None
     """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
     eval_episodes: int = 16
-    """episodes of the deterministic (mean-action) policy evaluated after training (0 skips)"""
+    """episodes of the deterministic (mean-action) policy evaluated after training, on as many new envs (0 skips)"""
     progress_bar: bool = True
     """show a live progress bar with SPS, the recent return and the time left"""
 
@@ -170,20 +149,14 @@ class Args:
             "env_id": (self.env_id in get_args(EnvId), f"one of {', '.join(get_args(EnvId))}"),
             "backend": (self.backend in get_args(Backend), f"one of {', '.join(get_args(Backend))}"),
             "norm_obs": (self.norm_obs in get_args(NormObs), f"one of {', '.join(get_args(NormObs))}"),
-            "episode_length": (self.episode_length > 0, "positive"),
-            "num_envs": (self.num_envs >= self.eval_episodes and self.num_envs > 0,
-                         "positive and at least --eval-episodes (the evaluation plays on as many envs)"),
-            "num_steps": (self.num_steps > 0, "positive"),
-            "update_epochs": (self.update_epochs > 0, "positive"),
+            "episode_length": (self.episode_length > 0, "positive"), "num_envs": (self.num_envs > 0, "positive"),
+            "num_steps": (self.num_steps > 0, "positive"), "update_epochs": (self.update_epochs > 0, "positive"),
             "num_minibatches": (self.num_minibatches > 0 and batch_size % self.num_minibatches == 0,
                                 f"a divisor of --num-envs * --num-steps = {batch_size}"),
             "total_timesteps": (self.total_timesteps >= batch_size, f"at least one rollout ({batch_size} steps)"),
-            "learning_rate": (self.learning_rate > 0, "> 0"),
-            "gamma": (0 < self.gamma <= 1, "in (0, 1]"),
-            "gae_lambda": (0 <= self.gae_lambda <= 1, "in [0, 1]"),
-            "clip_coef": (self.clip_coef > 0, "> 0"),
-            "ent_coef": (self.ent_coef >= 0, ">= 0"),
-            "vf_coef": (self.vf_coef >= 0, ">= 0"),
+            "learning_rate": (self.learning_rate > 0, "> 0"), "clip_coef": (self.clip_coef > 0, "> 0"),
+            "gamma": (0 < self.gamma <= 1, "in (0, 1]"), "gae_lambda": (0 <= self.gae_lambda <= 1, "in [0, 1]"),
+            "ent_coef": (self.ent_coef >= 0, ">= 0"), "vf_coef": (self.vf_coef >= 0, ">= 0"),
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
         })  # fmt: skip
@@ -201,20 +174,14 @@ def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
-# ----------------------------------------------------------------------------------------------
-# Environment
-# ----------------------------------------------------------------------------------------------
+# Environment ----------------------------------------------------------------------------------
 def import_brax():
-    """jax and brax.envs, imported on first use (the module loads without them) and after setting the
-    environment variables they read when they start: call it before anything imports jax or brax (MuJoCo
-    reads MUJOCO_GL once, on import; without it, rendering the MP4 aborts the process on a headless machine)."""
-    # JAX grabs most of a GPU's memory when it starts unless told not to; torch needs its share.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    # MuJoCo's renderer (for the MP4 of --capture-video) needs an offscreen OpenGL: EGL, not a window.
-    os.environ.setdefault("MUJOCO_GL", "egl")
-    # Not the user's business, so kept quiet: MuJoCo's optional GPU backend (warp, not installed) prints
-    # "Failed to import warp" on import, and Brax warns that it is no longer maintained (and JAXopt, which it
-    # imports, likewise). Anything else they print or warn gets through.
+    """jax and brax.envs, imported on first use (importing this script does not start JAX), after setting the
+    environment variables they read when they start: call it before anything imports jax or brax."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
+    os.environ.setdefault("MUJOCO_GL", "egl")  # read on import; without an offscreen OpenGL rendering the MP4 aborts
+    # hushed, not the user's business: MuJoCo's "Failed to import warp" (an optional GPU backend), Brax's and JAXopt's
+    # warnings that they are no longer maintained; anything else they print or warn gets through
     warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
     warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)
     try:
@@ -231,18 +198,17 @@ def import_brax():
 
 @functools.cache
 def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
-    """The Brax env and jit(vmap(...)) of its reset and of a step with our auto-reset. Cached: another
-    BraxVecEnv of the same configuration reuses the compiled code."""
+    """The Brax env and jit(vmap(...)) of its reset and of a step with our auto-reset (Brax's AutoResetWrapper restarts
+    every episode from the first reset's state and drops the final observation). Cached: no second compilation."""
     jax, envs = import_brax()
     import jax.numpy as jnp
 
     env = envs.get_environment(env_id, backend=backend)
 
-    def reset(key):
+    def reset(key):  # -> (state, episode length, episode return, key)
         key, sub = jax.random.split(key)
-        state = jax.vmap(env.reset)(jax.random.split(sub, num_envs))
         zeros = jnp.zeros(num_envs)
-        return state, zeros.astype(jnp.int32), zeros, key
+        return jax.vmap(env.reset)(jax.random.split(sub, num_envs)), zeros.astype(jnp.int32), zeros, key
 
     def step(state, length, ret, key, action):
         nxt = jax.vmap(env.step)(state, jnp.clip(action, -1.0, 1.0))
@@ -250,49 +216,37 @@ def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
         terminated = nxt.done > 0
         truncated = (length >= episode_length) & ~terminated
         done = terminated | truncated
-        # fresh random initial states for the finished envs (drawn for all: no data-dependent shapes under jit)
-        key, sub = jax.random.split(key)
-        fresh = jax.vmap(env.reset)(jax.random.split(sub, num_envs))
+        fresh, _, _, key = reset(key)  # new episodes for the finished envs (drawn for all: no dynamic shapes in jit)
         pick = lambda new, old: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)
         state = jax.tree.map(pick, fresh, nxt)
-        out = (state.obs, nxt.reward, terminated, truncated, nxt.obs, ret, length)
+        info = dict(final_obs=nxt.obs, episode_return=ret, episode_length=length)  # valid where done
+        out = (state.obs, nxt.reward, terminated, truncated, info)
         return state, jnp.where(done, 0, length), jnp.where(done, 0.0, ret), key, out
 
     return env, jax.jit(reset), jax.jit(step)
 
 
 class BraxVecEnv:
-    """A batch of Brax envs with gymnasium's vector API and torch tensors on `device`.
-
-    reset() -> (obs, info); step(action) -> (obs, reward, terminated, truncated, info). Finished
-    envs are reset inside `step` from fresh random keys; `info` holds, per env and valid where
-    terminated | truncated: "final_obs" (the real last observation), "episode_return",
-    "episode_length". Arrays cross between JAX and torch through DLPack, without copies when both
-    live on the same device. Building one compiles reset and step (seconds to a minute).
-    """
+    """A batch of Brax envs with gymnasium's vector API and torch tensors on `device`: reset() -> (obs, info),
+    step(action) -> (obs, reward, terminated, truncated, info), actions clipped to [-1, 1]. Finished envs are reset
+    inside `step` from fresh random keys; where terminated | truncated, `info` holds "final_obs" (the real last
+    observation), "episode_return" and "episode_length". Building one compiles reset and step (seconds to a minute)."""
 
     def __init__(self, env_id: str, backend: str, num_envs: int, episode_length: int, device, seed: int):
-        jax, _ = import_brax()
-        self.jax = jax
+        self.jax = jax = import_brax()[0]
         self.env, self._reset, self._step = jitted_env(env_id, backend, num_envs, episode_length)
         self.device = torch.device(device)
-        # where JAX computes; torch tensors on another device are moved (copied) across
-        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")
+        self.jax_device = torch.device("cuda" if jax.default_backend() == "gpu" else "cpu")  # to_jax copies there
         self.num_envs, self.max_episode_steps = num_envs, episode_length
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
-        # A key committed to JAX's device, as the arrays that reset and step return are: with an uncommitted
-        # one, the first reset and step would be compiled a second time for those.
-        # (under torchrun on GPUs, this rank's GPU LOCAL_RANK, as torch's)
+        # committed to JAX's device (this rank's GPU under torchrun) like reset's and step's outputs: no 2nd compilation
         jax_index = int(os.environ.get("LOCAL_RANK", "0")) % len(jax.devices())
         self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[jax_index])
         # compile now rather than in the first training steps: a reset and a step (reset() starts afresh)
-        state, length, ret, key = self._reset(self._key)
-        self._key = self._step(state, length, ret, key, self.to_jax(torch.zeros(num_envs, self.action_dim)))[3]
-        self.state = None
+        self._key = self._step(*self._reset(self._key), self.to_jax(torch.zeros(num_envs, self.action_dim)))[3]
 
     def to_torch(self, x) -> torch.Tensor:
-        t = torch.from_dlpack(x)
-        return t if t.device == self.device else t.to(self.device)
+        return torch.from_dlpack(x).to(self.device)
 
     def to_jax(self, t: torch.Tensor):
         return self.jax.dlpack.from_dlpack(t.detach().to(self.jax_device).contiguous())
@@ -314,17 +268,12 @@ class BraxVecEnv:
         self.state, self._length, self._return, self._key, out = self._step(
             self.state, self._length, self._return, self._key, self.to_jax(action.float())
         )
-        obs, reward, terminated, truncated, final_obs, ret, length = (self.to_torch(x) for x in out)
-        info = {"final_obs": final_obs, "episode_return": ret, "episode_length": length}
-        return obs, reward, terminated, truncated, info
+        return self.jax.tree.map(self.to_torch, out)  # (obs, reward, terminated, truncated, info)
 
 
-# ----------------------------------------------------------------------------------------------
-# Agent
-# ----------------------------------------------------------------------------------------------
+# Agent ----------------------------------------------------------------------------------------
 class RunningMeanStd(nn.Module):
-    """Running mean and variance over batches (Chan et al.'s parallel update), kept as buffers so they save
-    with the model."""
+    """Running mean and variance over batches (Chan et al.'s parallel update), in buffers: saved with the model."""
 
     def __init__(self, shape=(), epsilon: float = 1e-4):
         super().__init__()
@@ -374,9 +323,8 @@ def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
 
 
 def normalises_obs(args: Args) -> bool:
-    """--norm-obs resolved: `auto` is off on RAW_OBS_ENVS. There the statistics move a lot as the policy
-    improves (inverted_pendulum: the cart position's std grows ~7x after the first rollouts), shifting the
-    inputs of a policy that PPO's clipping otherwise keeps close to the last one."""
+    """--norm-obs resolved: `auto` is off on RAW_OBS_ENVS, where the statistics move a lot as the policy improves,
+    shifting the inputs of a policy that PPO's clipping keeps close to the last one (docs/ppo_mujoco_brax.md)."""
     return args.norm_obs == "on" or (args.norm_obs == "auto" and args.env_id not in RAW_OBS_ENVS)
 
 
@@ -386,15 +334,16 @@ class Agent(nn.Module):
 
     def __init__(self, obs_dim: int, action_dim: int, norm_obs: bool = True):
         super().__init__()
-        self.norm_obs = norm_obs
+        # a buffer, saved with the model: a loaded model normalises its inputs, or not, as it was trained
+        self.register_buffer("norm_obs", torch.tensor(norm_obs))
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
-        """Observations scaled by the running mean and std (unchanged with --no-norm-obs)."""
-        return self.obs_rms.normalize(obs) if self.norm_obs else obs
+        """Observations scaled by the running mean and std if the agent normalises them (torch.where: no GPU sync)."""
+        return torch.where(self.norm_obs, self.obs_rms.normalize(obs), obs)
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
@@ -412,9 +361,7 @@ class Agent(nn.Module):
         return logprob, entropy, self.get_value(obs)
 
 
-# ----------------------------------------------------------------------------------------------
-# Algorithm
-# ----------------------------------------------------------------------------------------------
+# Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
     """T steps of N envs, preallocated on the device."""
 
@@ -430,9 +377,7 @@ class Rollout(NamedTuple):
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, obs_dim: int, action_dim: int, device: torch.device) -> Rollout:
-        def zeros(*shape, dtype=torch.float32):
-            return torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
-
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(num_steps, num_envs, *shape, dtype=dtype, device=device)
         return Rollout(zeros(obs_dim), zeros(obs_dim), zeros(action_dim), zeros(), zeros(dtype=torch.bool),
                        zeros(dtype=torch.bool), zeros(obs_dim), zeros(), zeros(dtype=torch.int32))  # fmt: skip
 
@@ -449,12 +394,9 @@ class Batch(NamedTuple):
 
 
 class RewardScaler(nn.Module):
-    """Divides rewards by a running std of the discounted return, each env's return so far discounted by
-    γ and restarted at the end of each episode (as gymnasium's NormalizeReward). As with the observation
-    statistics, a rollout is scaled by the statistics of the earlier ones and updates them at its end
-    (`update`): updated every step, the first steps see N equal returns (all envs start together), a std
-    near 0, and rewards scaled up ~1000x. Its state_dict holds the statistics; the returns so far are not
-    in it (a resumed run starts new episodes)."""
+    """Divides rewards by a running std of each env's discounted return (as gymnasium's NormalizeReward). A rollout is
+    scaled by the earlier rollouts' statistics and joins them at its end (`update`): updated every step, the first
+    steps see N equal returns (all envs start together), a std near 0, and rewards scaled up ~1000x."""
 
     def __init__(self, num_envs: int, gamma: float, device: torch.device):
         super().__init__()
@@ -469,31 +411,24 @@ class RewardScaler(nn.Module):
         return reward / torch.sqrt(self.return_rms.var.float() + 1e-8)
 
     def update(self) -> None:
-        """Add this rollout's discounted returns to the statistics."""
+        """This rollout's discounted returns join the statistics."""
         self.return_rms.update(torch.stack(self.rollout_returns))
         self.rollout_returns.clear()
 
 
 @torch.no_grad()
 def collect_rollout(agent: Agent, envs: BraxVecEnv, raw_obs: torch.Tensor, rollout: Rollout, scale_reward=None):
-    """Step every env T times with the current policy, filling `rollout`; return the next raw observation.
-
-    The policy sees observations normalised with the statistics of the earlier rollouts; this
-    rollout's raw observations update them at the end. `scale_reward` (a RewardScaler) scales rewards
-    the same way: by the earlier rollouts' return statistics, updated at the end.
-    """
+    """Step every env T times with the current policy, filling `rollout`; return the next raw observation. As
+    rewards by `scale_reward` (a RewardScaler), observations are normalised by the earlier rollouts' statistics."""
     for t in range(len(rollout.obs)):
         rollout.raw_obs[t] = raw_obs
         rollout.obs[t] = obs = agent.normalize(raw_obs)
-        action = agent.get_action(obs)
+        rollout.actions[t] = action = agent.get_action(obs)
         raw_obs, reward, terminated, truncated, info = envs.step(action)
-        rollout.actions[t] = action
         rollout.rewards[t] = reward if scale_reward is None else scale_reward(reward, terminated | truncated)
-        rollout.terminated[t] = terminated
-        rollout.dones[t] = terminated | truncated
+        rollout.terminated[t], rollout.dones[t] = terminated, terminated | truncated
         rollout.final_obs[t] = agent.normalize(info["final_obs"])
-        rollout.episode_return[t] = info["episode_return"]
-        rollout.episode_length[t] = info["episode_length"]
+        rollout.episode_return[t], rollout.episode_length[t] = info["episode_return"], info["episode_length"]
     if agent.norm_obs:
         agent.obs_rms.update(rollout.raw_obs)
     if scale_reward is not None:
@@ -654,8 +589,8 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 
 
 def train(args: Args) -> Agent:
-    """Train PPO on the `--env-id` Brax env and return the agent. Building the envs compiles their reset and step
-    (set-up time, not counted in SPS). `Run` writes the outputs, also when an exception ends the run."""
+    """Train PPO on the `--env-id` Brax env and return the agent; `Run` writes the outputs, also when an exception
+    ends the run. Building the envs compiles their reset and step (set-up time, not counted in SPS)."""
     device, T, N = torch.device(args.device), args.num_steps, args.num_envs
     with Run(args) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
@@ -665,7 +600,6 @@ def train(args: Args) -> Agent:
         agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)  # rank 0's, see run.start
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
-        # the hot phases: as written, or torch.compile'd with --compile (the env step is JAX, jitted by Brax)
         prepare, step = hot_phases(agent, optimizer, ppo_loss, args, make_batch)
         rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
         # with --resume: agent and normaliser, optimizer, reward scaler, RNGs and counters as the checkpoint left them
@@ -682,46 +616,36 @@ def train(args: Args) -> Agent:
     return agent
 
 
-# ----------------------------------------------------------------------------------------------
-# What the run management asks of the environment: finished episodes, evaluation, videos
-# ----------------------------------------------------------------------------------------------
+# What the run management asks of the environment: finished episodes, evaluation, videos -------
 def finished_episodes(rollout: Rollout):
     """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
     return rollout.dones, rollout.episode_return, rollout.episode_length
 
 
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
-    """Return of the first episode of `eval-episodes` fresh envs under the mean action (a copy of the training envs,
-    seeded apart: same compiled code, and --eval-only on the saved model plays the same episodes); with a `video`
-    path, one more episode filmed there (see `film`)."""
-    envs = BraxVecEnv(args.env_id, args.backend, envs.num_envs, args.episode_length, envs.device, args.seed + 1)
+    """The return of one episode in each of `eval-episodes` new envs under the mean action (seeded --seed + 1, so
+    --eval-only on the saved model plays the same episodes); with a `video` path, one more episode filmed there."""
+    envs = BraxVecEnv(args.env_id, args.backend, args.eval_episodes, args.episode_length, envs.device, args.seed + 1)
     obs, _ = envs.reset()
     returns = torch.full((envs.num_envs,), float("nan"), device=envs.device)
     with torch.no_grad():
         for _ in range(envs.max_episode_steps):
             obs, _, terminated, truncated, info = envs.step(agent.get_action(agent.normalize(obs), greedy=True))
             returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
-            if not returns[: args.eval_episodes].isnan().any():
+            if not returns.isnan().any():
                 break
     if video is not None:
-        film(agent, args, video)
-    return returns[: args.eval_episodes].tolist()
+        record_video(agent, envs, None, args, video)
+    return returns.tolist()
 
 
-def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> Optional[str]:
-    """One episode under the mean action, on a separate 1-env copy of the env (the training envs' episodes go on
-    undisturbed); returns the MP4's path, or None where no offscreen renderer works (see `film`)."""
-    return film(agent, args, path)
-
-
-def film(agent: Agent, args: Args, path: str) -> Optional[str]:
-    """Play one episode on a 1-env copy of the env and write brax's HTML viewer of it next to `path` (.html) and,
-    where an offscreen renderer works, the MP4 at `path`; returns the MP4's path or None."""
+def record_video(agent: Agent, envs, rollout: Optional[Rollout], args: Args, path: str) -> Optional[str]:
+    """One episode under the mean action on a 1-env copy of the env (not `envs`: training goes on undisturbed), as
+    brax's HTML viewer next to `path` and, where an offscreen renderer works, the MP4 at `path`: returns it or None."""
     from brax.io import html
 
-    device, states = agent.obs_rms.mean.device, []
-    env = BraxVecEnv(args.env_id, args.backend, 1, args.episode_length, device, args.seed + 1)
-    obs, _ = env.reset()
+    env = BraxVecEnv(args.env_id, args.backend, 1, args.episode_length, envs.device, args.seed + 1)
+    obs, states = env.reset()[0], []
     with torch.no_grad():
         for _ in range(env.max_episode_steps):
             states.append(env.jax.tree.map(lambda x: x[0], env.state.pipeline_state))
@@ -739,7 +663,7 @@ def film(agent: Agent, args: Args, path: str) -> Optional[str]:
         print(f"note: no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl on a GPU machine): "
               f"kept {path.removesuffix('.mp4')}.html", file=sys.stderr)  # fmt: skip
         return None
-    with video_writer(path, fps=int(round(1 / env.env.dt))) as writer:
+    with video_writer(path, fps=round(1 / env.env.dt)) as writer:
         for frame in frames:
             writer.append_data(frame)
     return path
