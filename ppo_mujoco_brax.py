@@ -5,7 +5,6 @@ the PPO update are torch, and observations, rewards and actions cross between th
 
 Run:
     python ppo_mujoco_brax.py                                     # ant, spring backend, 2048 envs
-    python ppo_mujoco_brax.py --env-id inverted_pendulum --total-timesteps 2000000
     python ppo_mujoco_brax.py --env-id hopper --capture-video     # brax's HTML viewer (+ MP4 where it can render)
     tensorboard --logdir runs
 
@@ -39,8 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Literal, NamedTuple, Optional, get_args
 
-# libgomp's OpenMP threads spin while they wait, starving ours when another program keeps a core busy (4x slower on
-# 2 cores); sleeping costs little. Set before torch loads OpenMP; a value you export wins (docs/running.md: threads).
+# OpenMP threads that sleep, not spin, while they wait (4x faster on a busy 2-core machine): set before torch loads it
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -56,6 +54,7 @@ EnvId = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid", "inverte
 Backend = Literal["spring", "positional", "generalized", "mjx"]
 NormObs = Literal["auto", "on", "off"]
 RAW_OBS_ENVS = ("inverted_pendulum", "inverted_double_pendulum", "hopper")
+THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
 @dataclass
@@ -171,9 +170,6 @@ def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
 
 
-THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
-
-
 # Environment ----------------------------------------------------------------------------------
 def import_brax():
     """jax and brax.envs, imported on first use (importing this script does not start JAX), after setting the
@@ -220,17 +216,15 @@ def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
         pick = lambda new, old: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)
         state = jax.tree.map(pick, fresh, nxt)
         info = dict(final_obs=nxt.obs, episode_return=ret, episode_length=length)  # valid where done
-        out = (state.obs, nxt.reward, terminated, truncated, info)
+        out = (state.obs, nxt.reward, terminated, truncated, info)  # as a gymnasium vector env's step returns
         return state, jnp.where(done, 0, length), jnp.where(done, 0.0, ret), key, out
 
     return env, jax.jit(reset), jax.jit(step)
 
 
 class BraxVecEnv:
-    """A batch of Brax envs with gymnasium's vector API and torch tensors on `device`: reset() -> (obs, info),
-    step(action) -> (obs, reward, terminated, truncated, info), actions clipped to [-1, 1]. Finished envs are reset
-    inside `step` from fresh random keys; where terminated | truncated, `info` holds "final_obs" (the real last
-    observation), "episode_return" and "episode_length". Building one compiles reset and step (seconds to a minute)."""
+    """Brax envs with gymnasium's vector API on torch tensors, actions clipped to [-1, 1]; finished envs reset inside
+    `step`, `info` holding final_obs, episode_return and episode_length where done. Building one compiles (seconds+)."""
 
     def __init__(self, env_id: str, backend: str, num_envs: int, episode_length: int, device, seed: int):
         self.jax = jax = import_brax()[0]
@@ -308,8 +302,7 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Tanh(nn.Module):
-    """tanh; in a torch.compile'd graph written 2σ(2x) - 1, the same within 2e-7: inductor's exact tanh
-    kernel costs ~2x as much on a CPU, where the activations are a large share of a small net's time."""
+    """tanh; compiled, 2σ(2x) - 1 (equal within 2e-7): inductor's exact tanh costs ~2x as much on a CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * torch.sigmoid(2 * x) - 1 if torch.compiler.is_compiling() else torch.tanh(x)
@@ -337,8 +330,7 @@ class Agent(nn.Module):
         # a buffer, saved with the model: a loaded model normalises its inputs, or not, as it was trained
         self.register_buffer("norm_obs", torch.tensor(norm_obs))
         self.obs_rms = RunningMeanStd((obs_dim,))
-        self.critic = mlp(obs_dim, 1, out_std=1.0)
-        self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
+        self.critic, self.actor_mean = mlp(obs_dim, 1, out_std=1.0), mlp(obs_dim, action_dim, out_std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
@@ -437,9 +429,8 @@ def collect_rollout(agent: Agent, envs: BraxVecEnv, raw_obs: torch.Tensor, rollo
 
 
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
-    """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns). `next_values[t]` is V of
-    the true next state s'_t (the real last observation where an episode ended: a truncated one is bootstrapped, only
-    `terminated` zeroes the future); `dones` (terminated or truncated) cuts the recursion at every episode's end."""
+    """GAE over (T, N) -> (advantages, returns): `next_values[t]` is V(s'_t) of the true next state, so a truncated
+    episode is bootstrapped (only `terminated` zeroes the future); `dones` cuts the recursion at every episode's end."""
     deltas = rewards + gamma * next_values * (~terminated).to(values.dtype) - values
     decay = gamma * gae_lambda * (~dones).to(values.dtype)
     advantages = torch.empty_like(deltas)
