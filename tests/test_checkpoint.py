@@ -2,6 +2,7 @@
 
 import glob
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -267,7 +268,7 @@ def test_a_resume_that_fails_leaves_the_interrupted_runs_outputs(in_tmp, monkeyp
     with pytest.raises(KeyboardInterrupt):
         P.train(args)
     folder = run_dir(in_tmp, args.exp_name)
-    before = {f: open(os.path.join(folder, f), "rb").read() for f in ("summary.json", "checkpoint.pt")}
+    before = {f: pathlib.Path(folder, f).read_bytes() for f in ("summary.json", "checkpoint.pt")}
 
     def broken(self, saved):
         raise RuntimeError("this env cannot take that state")
@@ -275,7 +276,7 @@ def test_a_resume_that_fails_leaves_the_interrupted_runs_outputs(in_tmp, monkeyp
     monkeypatch.setattr(P.CartPole, "load_state_dict", broken)
     with pytest.raises(RuntimeError, match="this env cannot take that state"):
         P.train(replace(args, resume=folder))
-    assert {f: open(os.path.join(folder, f), "rb").read() for f in before} == before
+    assert {f: pathlib.Path(folder, f).read_bytes() for f in before} == before
 
 
 def test_the_checkpoint_holds_the_envs_state_on_the_cpu(in_tmp, monkeypatch):
