@@ -1,31 +1,20 @@
 """PPO on Atari through EnvPool 1.x (C++ emulators), with the Nature CNN.
 
-CleanRL's ppo_atari_envpool.py, rebuilt for today's stack: envpool 1.x (gymnasium's 5-tuple API,
-Python >= 3.11, numpy 2), torch and tyro. The emulators run in EnvPool's C++ thread pool; the
-policy and the update run on `--device` (cuda when a GPU is there, else the CPU).
+CleanRL's ppo_atari_envpool.py for today's stack (envpool 1.x with gymnasium's API, numpy 2, torch, tyro): the
+emulators run in EnvPool's C++ thread pool, the policy and the update on `--device` (cuda when there, else the CPU).
 
 Run:
     python ppo_atari_envpool.py                              # Breakout-v5, CleanRL's Atari defaults
     python ppo_atari_envpool.py --env-id Pong-v5 --async-envs
-    python ppo_atari_envpool.py --total-timesteps 20000 --capture-video --save-model
     tensorboard --logdir runs
 
-Environment (EnvPool's Atari defaults, the preprocessing of Mnih et al. 2015 / Machado et al. 2018):
-frame skip 4 with max-pooling of the last two frames, 84x84 grayscale, a stack of the last 4
-frames, up to 30 no-op actions after a reset, FIRE pressed on reset where the game needs it, no
-sticky actions, the minimal action set, 27000 agent steps (108k frames) per game at most.
-Training and evaluation use `episodic_life` (a lost life ends the episode for the agent, and the
-reset that follows presses FIRE) and `reward_clip` (rewards clipped to their sign); the scores we
-log are the real game scores: unclipped rewards summed over all lives (see `GameStats`).
+The env is EnvPool's Atari preprocessing (Mnih et al. 2015; the list: docs/ppo_atari_envpool.md), training on lives
+(`episodic_life`) and clipped rewards (`reward_clip`); the scores logged are the real game scores (see `GameStats`).
+EnvPool resets an env on the step *after* it reported done (the new game's first frame, reward 0, the action ignored):
+that step is stored but masked out of the loss, and GAE cuts its recursion at every done. The observation returned
+with done is the real last frame, so a game cut by the step limit is bootstrapped from its value.
 
-EnvPool resets an env on the step *after* it reported done: that step returns the new episode's
-first observation, reward 0, and ignores the action it was given. We store that step like any
-other but mask it out of the loss, and GAE cuts its recursion at every done, so no transition of
-one episode leaks into the next. Because the observation returned with done is the episode's real
-last frame, a game cut by the step limit is bootstrapped from its value (truncation is not failure).
-
-The update (Schulman et al. 2017; details numbered as in Huang et al. 2022, "The 37 Implementation
-Details of PPO"):
+The update (Schulman et al. 2017; "detail N": Huang et al. 2022, "The 37 Implementation Details of PPO"):
     r_t(θ)  = π_θ(a_t|s_t) / π_θold(a_t|s_t)
     δ_t     = r_t + γ (1 - term_t) V(s_{t+1}) - V(s_t)
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}
@@ -40,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import io
 import json
@@ -66,6 +54,8 @@ import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
+
+THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
 
 @dataclass
@@ -106,19 +96,15 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""
     async_envs: bool = False
-    """step the envs asynchronously: EnvPool returns the first half of the envs that are ready while
-    the other half is still being emulated, so the policy and the emulators overlap"""
+    """step the envs asynchronously: EnvPool hands back the first half of the envs ready, the rest still emulating"""
     channels_last: bool = True
-    """keep conv activations in channels-last memory layout
-    (faster convolutions: 1.27x on a 2-core Intel Xeon, 1.07-1.27x on a 2-core AMD EPYC; docs/ppo_atari_envpool.md)"""
+    """keep conv activations in channels-last memory layout (faster convolutions: docs/ppo_atari_envpool.md)"""
     bf16: bool = False
-    """run the CNN trunk in bfloat16 autocast (the heads, losses and weights stay float32);
-    needs bf16 hardware, refused elsewhere: AMX/AVX512-BF16 CPUs (Xeons from Sapphire Rapids on), Ampere+ GPUs"""
+    """the CNN trunk in bfloat16 autocast (heads and weights float32); needs AMX/AVX512-BF16 CPUs or Ampere+ GPUs"""
 
     # The run's length and its management: a --resume may change these
     total_timesteps: int = 10_000_000
-    """agent steps in total, all torchrun ranks together (each is 4 emulator frames);
-    CleanRL's 10M take 5-11 h on a 2-core CPU (250-540 SPS): the progress bar shows the time left"""
+    """agent steps (4 frames each), all torchrun ranks together; CleanRL's 10M: 5-11 h on a 2-core CPU (250-540 SPS)"""
     target_return: Optional[float] = None
     """stop once the mean score of the last 100 games reaches this (None: run all steps)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -178,17 +164,6 @@ class Args:
         })  # fmt: skip
 
 
-def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
-    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
-    for name, (ok, rule) in rules.items():
-        value = getattr(args, name)
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
-
-
-THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
-
-
 # Environment ----------------------------------------------------------------------------------
 def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = None):
     """An EnvPool Atari pool (gymnasium API) with the training settings: episodes end on a lost life
@@ -201,42 +176,6 @@ def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = 
     )  # fmt: skip
 
 
-class GameStats:
-    """Real game scores: the unclipped rewards summed over all lives of a game.
-
-    With `episodic_life` the agent's episodes end at every lost life, and with `reward_clip` its
-    rewards are signs; neither is the game's score. EnvPool reports the raw reward in
-    `info["reward"]` and the real end of a game in `info["terminated"]` (1 only when the last life
-    is lost; `lives` is no use, Pong has none) or `truncated` (the step limit).
-    """
-
-    def __init__(self, num_envs: int):
-        self.scores = np.zeros(num_envs, dtype=np.float64)
-
-    def update(self, env_ids, raw_rewards, game_over, elapsed_steps) -> list[tuple[float, int]]:
-        """Add one step's raw rewards for `env_ids`; return (score, length) of each game that ended."""
-        self.scores[env_ids] += raw_rewards
-        ended = np.asarray(env_ids)[np.asarray(game_over, dtype=bool)]
-        lengths = np.asarray(elapsed_steps)[np.asarray(game_over, dtype=bool)]
-        games = [(float(self.scores[e]), int(n)) for e, n in zip(ended, lengths)]
-        self.scores[ended] = 0.0
-        return games
-
-
-def game_over(info: dict, truncated: np.ndarray) -> np.ndarray:
-    """Which envs' games ended at this step: the last life lost, or the step limit."""
-    return (info["terminated"] == 1) | truncated
-
-
-def is_atari_game(env_id: str) -> bool:
-    """Whether EnvPool has this Atari game (UsageError when envpool is not installed)."""
-    try:
-        import envpool
-    except ImportError:
-        raise UsageError("this script needs envpool: pip install envpool==1.2.5") from None
-    return env_id in envpool.list_all_envs() and type(envpool.make_spec(env_id)).__name__ == "AtariEnvSpec"
-
-
 # Agent ----------------------------------------------------------------------------------------
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Module:
     """Orthogonal weights, constant bias (detail 2)."""
@@ -246,12 +185,8 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Agent(nn.Module):
-    """The Nature CNN (Mnih et al. 2015) as a shared trunk, with actor and critic heads.
-
-    Takes uint8 frames (B, 4, 84, 84) and scales them by 1/255 inside, so the rollout buffer stays uint8.
-    With `channels_last` the convolutions run in channels-last memory layout, with `bf16` the trunk runs
-    in bfloat16 autocast and hands float32 features to the heads.
-    """
+    """The Nature CNN (Mnih et al. 2015) as a shared trunk, with actor and critic heads, on uint8 frames (B, 4, 84, 84)
+    scaled by 1/255 inside (the rollout stays uint8); `bf16`: the trunk in bfloat16 autocast, the heads in float32."""
 
     def __init__(self, num_actions: int, bf16: bool = False, channels_last: bool = False):
         super().__init__()
@@ -279,10 +214,8 @@ class Agent(nn.Module):
     def get_action(self, obs: torch.Tensor, greedy: bool = False):
         """An action (sampled, or the most likely with `greedy`), its log-probability and the value."""
         logits, value = self(obs)
-        if greedy:
-            action = logits.argmax(-1)
-        else:  # Gumbel-max: argmax(logits + Gumbel noise) samples the softmax distribution
-            action = (logits - torch.empty_like(logits).exponential_().log()).argmax(-1)
+        gumbel = 0.0 if greedy else -torch.empty_like(logits).exponential_().log()  # Gumbel noise, -log(Exp(1))
+        action = (logits + gumbel).argmax(-1)  # Gumbel-max: the argmax samples the softmax distribution
         logprob = logits.log_softmax(-1).gather(-1, action.unsqueeze(-1)).squeeze(-1)
         return action, logprob, value
 
@@ -296,12 +229,9 @@ class Agent(nn.Module):
 
 # Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
-    """Every env's steps in its own column, in that env's order, and the pool's bookkeeping.
-
-    Rows 0..T-1 of a column are the rollout's T steps and row T the observation to bootstrap from (also
-    the next rollout's row 0). In async mode envs come back in any order, and an env may run past row T
-    while the others catch up: hence 2T+1 rows. Tensors (2T+1, N) on the device.
-    """
+    """Every env's steps in its own column, in that env's order, and the pool's bookkeeping. Rows 0..T-1 of a column are
+    the rollout's T steps, row T the observation to bootstrap from (the next rollout's row 0); async envs come back in
+    any order, and one may run past row T while the others catch up: hence 2T+1 rows. Tensors on the device."""
 
     obs: torch.Tensor  # (2T+1, N, 4, 84, 84) uint8, the observation each action was chosen on
     actions: torch.Tensor  # (2T+1, N)
@@ -318,9 +248,8 @@ class Rollout(NamedTuple):
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, device: torch.device) -> Rollout:
-        def zeros(*shape, dtype=torch.float32):
-            return torch.zeros((2 * num_steps + 1, num_envs, *shape), dtype=dtype, device=device)
-
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(2 * num_steps + 1, num_envs, *shape, dtype=dtype,
+                                                                device=device)  # fmt: skip
         flags = (zeros(dtype=torch.bool) for _ in range(3))  # terminated, dones, valid
         tensors = (zeros(4, 84, 84, dtype=torch.uint8), zeros(dtype=torch.long), zeros(), zeros(), zeros(), *flags)
         return Rollout(*tensors, np.zeros(num_envs, dtype=np.int64), np.zeros(num_envs, bool), GameStats(num_envs), [])
@@ -341,11 +270,10 @@ class Batch(NamedTuple):
 def collect_rollout(agent: Agent, envs, rollout: Rollout, env_batch: int) -> int:
     """Fill every env's column of `rollout` up to row T with the current policy; return the steps emulated.
 
-    EnvPool hands back `env_batch` envs per `recv` (all of them in sync mode), in any order. A step's reward
-    and flags arrive with the next observation, so they go to the env's previous row. An env that has its
-    T+1 rows is parked (its last action waits for the next rollout) as long as `env_batch` envs stay in
-    flight for EnvPool to fill a batch; the rows an env still runs past T are kept for the next rollout.
-    """
+    EnvPool hands back `env_batch` envs per `recv` (all of them in sync mode), in any order. A step's reward and flags
+    arrive with the next observation, so they go to the env's previous row. An env that has its T+1 rows is parked (its
+    last action waits for the next rollout) as long as `env_batch` envs stay in flight for EnvPool to fill a batch; the
+    rows an env still runs past T are kept for the next rollout."""
     T = len(rollout.obs) // 2
     filled, parked, device = rollout.filled, rollout.parked, rollout.obs.device
     if filled.min() > T:  # the last rollout's rows past T become this one's first rows
@@ -407,12 +335,8 @@ def carry_over(agent: Agent, rollout: Rollout) -> None:
 
 
 def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
-    """Generalised advantage estimation over a (T, N) rollout; returns (advantages, returns).
-
-    `next_values[t]` is V of the observation that followed step t (with EnvPool, the episode's real
-    last frame when it ended), so a truncated game is bootstrapped and only `terminated` zeroes the
-    future. `dones` (terminated or truncated) cuts the recursion at every episode boundary.
-    """
+    """GAE over (T, N) -> (advantages, returns): `next_values[t]` is V(s'_t) of the true next state, so a truncated
+    episode is bootstrapped (only `terminated` zeroes the future); `dones` cuts the recursion at every episode's end."""
     deltas = rewards + gamma * next_values * (~terminated).to(values.dtype) - values
     decay = gamma * gae_lambda * (~dones).to(values.dtype)
     advantages = torch.empty_like(deltas)
@@ -529,7 +453,43 @@ def train(args: Args) -> Agent:
     return agent
 
 
-# What the run management asks of the environment: finished episodes, evaluation, videos -------
+# What train() and the run management call: game ids, game scores, evaluation, videos, env state
+def is_atari_game(env_id: str) -> bool:
+    """Whether EnvPool has this Atari game (UsageError when envpool is not installed)."""
+    try:
+        import envpool
+    except ImportError:
+        raise UsageError("this script needs envpool: pip install envpool==1.2.5") from None
+    return env_id in envpool.list_all_envs() and type(envpool.make_spec(env_id)).__name__ == "AtariEnvSpec"
+
+
+class GameStats:
+    """Real game scores: the unclipped rewards summed over all lives of a game.
+
+    With `episodic_life` the agent's episodes end at every lost life, and with `reward_clip` its
+    rewards are signs; neither is the game's score. EnvPool reports the raw reward in
+    `info["reward"]` and the real end of a game in `info["terminated"]` (1 only when the last life
+    is lost; `lives` is no use, Pong has none) or `truncated` (the step limit).
+    """
+
+    def __init__(self, num_envs: int):
+        self.scores = np.zeros(num_envs, dtype=np.float64)
+
+    def update(self, env_ids, raw_rewards, game_over, elapsed_steps) -> list[tuple[float, int]]:
+        """Add one step's raw rewards for `env_ids`; return (score, length) of each game that ended."""
+        self.scores[env_ids] += raw_rewards
+        ended = np.asarray(env_ids)[np.asarray(game_over, dtype=bool)]
+        lengths = np.asarray(elapsed_steps)[np.asarray(game_over, dtype=bool)]
+        games = [(float(self.scores[e]), int(n)) for e, n in zip(ended, lengths)]
+        self.scores[ended] = 0.0
+        return games
+
+
+def game_over(info: dict, truncated: np.ndarray) -> np.ndarray:
+    """Which envs' games ended at this step: the last life lost, or the step limit."""
+    return (info["terminated"] == 1) | truncated
+
+
 def finished_episodes(rollout: Rollout):
     """(ended, return, length), tensors of one shape: the games that ended during `rollout`, with their real scores
     (unclipped rewards over all lives, see `GameStats`)."""
@@ -606,6 +566,24 @@ def has_fast_bf16(device: str) -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
+def env_state(envs) -> None:
+    """Nothing: EnvPool's emulators cannot be saved, so a resumed run starts new games."""
+    return None
+
+
+def load_env_state(envs, saved: None, obs):
+    """`obs` as it is: a resumed run plays the new games that `envs` started (see `env_state`)."""
+    return obs
+
+
+def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
+    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(args, name)
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+
+
 def video_writer(path: str, fps: int):
     """An MP4 writer (imageio's ffmpeg, H.264): `append_data(frame)` for each RGB frame (H, W, 3) uint8, then close."""
     import imageio.v2 as imageio
@@ -658,7 +636,7 @@ class Run(contextlib.AbstractContextManager):
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])  # else: new episodes
+            obs = load_env_state(self.envs, mine["envs"], obs)  # envs not saved (e.g. emulators): new episodes
             self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
@@ -749,9 +727,7 @@ class Run(contextlib.AbstractContextManager):
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        # on the CPU: under NCCL a CUDA tensor would be rebuilt on rank 0 as cuda:<its rank>, a GPU it may not see
-        envs = {k: v.cpu() for k, v in self.envs.state_dict().items()} if hasattr(self.envs, "state_dict") else None
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": env_state(self.envs)}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]

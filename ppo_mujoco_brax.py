@@ -1,7 +1,6 @@
 """PPO for continuous control on Brax physics (JAX), with a torch policy and zero-copy DLPack.
 
-Brax simulates thousands of MuJoCo-style robots in parallel in jit-compiled JAX; the policy, the rollout buffer and
-the PPO update are torch, and observations, rewards and actions cross between the two through DLPack without copies.
+Brax steps thousands of MuJoCo-style robots in jit-compiled JAX; the policy, rollout buffer and update are torch.
 
 Run:
     python ppo_mujoco_brax.py                                     # ant, spring backend, 2048 envs
@@ -53,7 +52,6 @@ EnvId = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid", "inverte
                 "reacher", "pusher"]  # fmt: skip
 Backend = Literal["spring", "positional", "generalized", "mjx"]
 NormObs = Literal["auto", "on", "off"]
-RAW_OBS_ENVS = ("inverted_pendulum", "inverted_double_pendulum", "hopper")
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
@@ -143,11 +141,8 @@ class Args:
 
     def __post_init__(self):
         """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: `main`)."""
-        batch_size = self.num_envs * self.num_steps
-        check_flags(self, {
-            "env_id": (self.env_id in get_args(EnvId), f"one of {', '.join(get_args(EnvId))}"),
-            "backend": (self.backend in get_args(Backend), f"one of {', '.join(get_args(Backend))}"),
-            "norm_obs": (self.norm_obs in get_args(NormObs), f"one of {', '.join(get_args(NormObs))}"),
+        batch_size, kinds = self.num_envs * self.num_steps, {"env_id": EnvId, "backend": Backend, "norm_obs": NormObs}
+        check_flags(self, {n: (getattr(self, n) in get_args(k), f"one of {get_args(k)}") for n, k in kinds.items()} | {
             "episode_length": (self.episode_length > 0, "positive"), "num_envs": (self.num_envs > 0, "positive"),
             "num_steps": (self.num_steps > 0, "positive"), "update_epochs": (self.update_epochs > 0, "positive"),
             "num_minibatches": (self.num_minibatches > 0 and batch_size % self.num_minibatches == 0,
@@ -162,44 +157,13 @@ class Args:
         import_brax()  # without brax: one line, before anything is built
 
 
-def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
-    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
-    for name, (ok, rule) in rules.items():
-        value = getattr(args, name)
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
-
-
 # Environment ----------------------------------------------------------------------------------
-def import_brax():
-    """jax and brax.envs, imported on first use (importing this script does not start JAX), after setting the
-    environment variables they read when they start: call it before anything imports jax or brax."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
-    os.environ.setdefault("MUJOCO_GL", "egl")  # read on import; without an offscreen OpenGL rendering the MP4 aborts
-    # hushed, not the user's business: MuJoCo's "Failed to import warp" (an optional GPU backend), Brax's and JAXopt's
-    # warnings that they are no longer maintained; anything else they print or warn gets through
-    warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
-    warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            import jax
-            from brax import envs
-    except ImportError:
-        raise UsageError("this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2") from None
-    for line in printed.getvalue().splitlines():
-        if not line.startswith(("Failed to import warp:", "Failed to import mujoco_warp:")):
-            print(line)
-    return jax, envs
-
-
 @functools.cache
 def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
     """The Brax env and jit(vmap(...)) of its reset and of a step with our auto-reset (Brax's AutoResetWrapper restarts
     every episode from the first reset's state and drops the final observation). Cached: no second compilation."""
     jax, envs = import_brax()
-    import jax.numpy as jnp
-
-    env = envs.get_environment(env_id, backend=backend)
+    jnp, env = jax.numpy, envs.get_environment(env_id, backend=backend)
 
     def reset(key):  # -> (state, episode length, episode return, key)
         key, sub = jax.random.split(key)
@@ -208,8 +172,7 @@ def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
 
     def step(state, length, ret, key, action):
         nxt = jax.vmap(env.step)(state, jnp.clip(action, -1.0, 1.0))
-        length, ret = length + 1, ret + nxt.reward
-        terminated = nxt.done > 0
+        length, ret, terminated = length + 1, ret + nxt.reward, nxt.done > 0
         truncated = (length >= episode_length) & ~terminated
         done = terminated | truncated
         fresh, _, _, key = reset(key)  # new episodes for the finished envs (drawn for all: no dynamic shapes in jit)
@@ -235,9 +198,9 @@ class BraxVecEnv:
         self.obs_dim, self.action_dim = self.env.observation_size, self.env.action_size
         # committed to JAX's device (this rank's GPU under torchrun) like reset's and step's outputs: no 2nd compilation
         jax_index = int(os.environ.get("LOCAL_RANK", "0")) % len(jax.devices())
-        self._key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[jax_index])
+        self.key = jax.device_put(jax.random.PRNGKey(seed), jax.devices()[jax_index])
         # compile now rather than in the first training steps: a reset and a step (reset() starts afresh)
-        self._key = self._step(*self._reset(self._key), self.to_jax(torch.zeros(num_envs, self.action_dim)))[3]
+        self.key = self._step(*self._reset(self.key), self.to_jax(torch.zeros(num_envs, self.action_dim)))[3]
 
     def to_torch(self, x) -> torch.Tensor:
         return torch.from_dlpack(x).to(self.device)
@@ -245,55 +208,17 @@ class BraxVecEnv:
     def to_jax(self, t: torch.Tensor):
         return self.jax.dlpack.from_dlpack(t.detach().to(self.jax_device).contiguous())
 
-    def state_dict(self) -> dict:
-        """The random key the resets draw from (the physics states are not saved: a resumed run resets)."""
-        return {"key": torch.from_numpy(np.asarray(self._key).astype(np.int64))}
-
-    def load_state_dict(self, saved: dict) -> torch.Tensor:
-        """The resets' random key as saved, then a reset (the physics states are not saved); returns the observation."""
-        self._key = self.jax.device_put(saved["key"].numpy().astype(np.uint32), next(iter(self._key.devices())))
-        return self.reset()[0]
-
     def reset(self):
-        self.state, self._length, self._return, self._key = self._reset(self._key)
+        self.state, self._length, self._return, self.key = self._reset(self.key)
         return self.to_torch(self.state.obs), {}
 
     def step(self, action: torch.Tensor):
-        self.state, self._length, self._return, self._key, out = self._step(
-            self.state, self._length, self._return, self._key, self.to_jax(action.float())
-        )
+        carry = self._step(self.state, self._length, self._return, self.key, self.to_jax(action.float()))
+        self.state, self._length, self._return, self.key, out = carry
         return self.jax.tree.map(self.to_torch, out)  # (obs, reward, terminated, truncated, info)
 
 
 # Agent ----------------------------------------------------------------------------------------
-class RunningMeanStd(nn.Module):
-    """Running mean and variance over batches (Chan et al.'s parallel update), in buffers: saved with the model."""
-
-    def __init__(self, shape=(), epsilon: float = 1e-4):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
-        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.tensor(epsilon, dtype=torch.float64))
-
-    @torch.no_grad()
-    def update(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, *self.mean.shape).double()
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun: the statistics of all ranks' batches
-            sums = torch.cat((x.sum(0).flatten(), x.square().sum(0).flatten(), x.new_tensor([n])))
-            dist.all_reduce(sums)
-            n = sums[-1]
-            batch_mean = (sums[: self.mean.numel()] / n).view_as(self.mean)
-            batch_var = (sums[self.mean.numel() : -1] / n).view_as(self.mean) - batch_mean.square()
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
-        self.count.copy_(total)
-
-    def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
-        return ((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8)).clamp(-clip, clip)
-
-
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     """Orthogonal weights, constant bias (detail 2)."""
     nn.init.orthogonal_(layer.weight, std)
@@ -315,33 +240,24 @@ def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
                          layer_init(nn.Linear(64, out_dim), std=out_std))  # fmt: skip
 
 
-def normalises_obs(args: Args) -> bool:
-    """--norm-obs resolved: `auto` is off on RAW_OBS_ENVS, where the statistics move a lot as the policy improves,
-    shifting the inputs of a policy that PPO's clipping keeps close to the last one (docs/ppo_mujoco_brax.md)."""
-    return args.norm_obs == "on" or (args.norm_obs == "auto" and args.env_id not in RAW_OBS_ENVS)
-
-
 class Agent(nn.Module):
     """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation
     statistics. The networks take normalised observations: `normalize` them first."""
 
     def __init__(self, obs_dim: int, action_dim: int, norm_obs: bool = True):
         super().__init__()
-        # a buffer, saved with the model: a loaded model normalises its inputs, or not, as it was trained
-        self.register_buffer("norm_obs", torch.tensor(norm_obs))
+        self.register_buffer("norm_obs", torch.tensor(norm_obs))  # saved: a loaded model normalises as trained
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.critic, self.actor_mean = mlp(obs_dim, 1, out_std=1.0), mlp(obs_dim, action_dim, out_std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
 
-    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
-        """Observations scaled by the running mean and std if the agent normalises them (torch.where: no GPU sync)."""
-        return torch.where(self.norm_obs, self.obs_rms.normalize(obs), obs)
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:  # by the running mean and std if the agent normalises
+        return torch.where(self.norm_obs, self.obs_rms.normalize(obs), obs)  # torch.where: no GPU sync
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
-    def get_action(self, obs: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-        """A sampled action, or with `greedy` the mean action."""
+    def get_action(self, obs: torch.Tensor, greedy: bool = False) -> torch.Tensor:  # sampled; `greedy`: the mean
         mean = self.actor_mean(obs)
         return mean if greedy else mean + self.actor_logstd.exp() * torch.randn_like(mean)
 
@@ -383,29 +299,6 @@ class Batch(NamedTuple):
     advantages: torch.Tensor
     returns: torch.Tensor
     values: torch.Tensor  # V_old(s)
-
-
-class RewardScaler(nn.Module):
-    """Divides rewards by a running std of each env's discounted return (as gymnasium's NormalizeReward). A rollout is
-    scaled by the earlier rollouts' statistics and joins them at its end (`update`): updated every step, the first
-    steps see N equal returns (all envs start together), a std near 0, and rewards scaled up ~1000x."""
-
-    def __init__(self, num_envs: int, gamma: float, device: torch.device):
-        super().__init__()
-        self.gamma, self.return_rms = gamma, RunningMeanStd().to(device)
-        self.discounted_return = torch.zeros(num_envs, device=device)
-        self.rollout_returns = []
-
-    def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        self.discounted_return = self.discounted_return * self.gamma + reward
-        self.rollout_returns.append(self.discounted_return)
-        self.discounted_return = self.discounted_return.masked_fill(done, 0.0)
-        return reward / torch.sqrt(self.return_rms.var.float() + 1e-8)
-
-    def update(self) -> None:
-        """This rollout's discounted returns join the statistics."""
-        self.return_rms.update(torch.stack(self.rollout_returns))
-        self.rollout_returns.clear()
 
 
 @torch.no_grad()
@@ -607,7 +500,78 @@ def train(args: Args) -> Agent:
     return agent
 
 
-# What the run management asks of the environment: finished episodes, evaluation, videos -------
+# What train() and the run management call: brax, the normalisers, episodes, evaluation, videos, env state
+def import_brax():
+    """jax and brax.envs, imported on first use (not on importing this script), after setting the variables read."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
+    os.environ.setdefault("MUJOCO_GL", "egl")  # read on import; without an offscreen OpenGL rendering the MP4 aborts
+    # hushed: MuJoCo's "Failed to import warp" (an optional backend), Brax's and JAXopt's "no longer maintained"
+    warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
+    warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            import jax
+            from brax import envs
+    except ImportError:
+        raise UsageError("this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2") from None
+    for line in printed.getvalue().splitlines():
+        if not line.startswith(("Failed to import warp:", "Failed to import mujoco_warp:")):
+            print(line)
+    return jax, envs
+
+
+def normalises_obs(args: Args) -> bool:
+    """--norm-obs resolved: `auto` is off on the pendulums and hopper, where the statistics move a lot as the policy
+    improves, shifting the inputs of a policy that PPO's clipping keeps near the last (docs/ppo_mujoco_brax.md)."""
+    raw_obs_envs = ("inverted_pendulum", "inverted_double_pendulum", "hopper")
+    return args.norm_obs == "on" or (args.norm_obs == "auto" and args.env_id not in raw_obs_envs)
+
+
+class RunningMeanStd(nn.Module):
+    """Running mean and variance over batches (Chan et al.'s parallel update), in buffers: saved with the model."""
+
+    def __init__(self, shape=(), epsilon: float = 1e-4):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(epsilon, dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, *self.mean.shape).double()
+        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun: all ranks' batches (of one size each)
+            batch_mean, mean_square = mean_over_ranks([batch_mean, x.square().mean(0)])
+            batch_var, n = mean_square - batch_mean.square(), n * dist.get_world_size()
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
+        self.count.copy_(total)
+
+    def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
+        return ((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8)).clamp(-clip, clip)
+
+
+class RewardScaler(nn.Module):
+    """Rewards over a running std of each env's discounted return (gymnasium's NormalizeReward), from earlier rollouts
+    (`update` ends each): updated per step, the first steps' N equal returns gave a std near 0 and rewards ~1000x."""
+
+    def __init__(self, num_envs: int, gamma: float, device: torch.device):
+        super().__init__()
+        self.gamma, self.return_rms = gamma, RunningMeanStd().to(device)
+        self.discounted_return, self.rollout_returns = torch.zeros(num_envs, device=device), []
+
+    def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        self.discounted_return = self.discounted_return * self.gamma + reward
+        self.rollout_returns.append(self.discounted_return)
+        self.discounted_return = self.discounted_return.masked_fill(done, 0.0)
+        return reward / torch.sqrt(self.return_rms.var.float() + 1e-8)
+
+    def update(self) -> None:  # this rollout's discounted returns join the statistics
+        self.return_rms.update(torch.stack(self.rollout_returns))
+        self.rollout_returns.clear()
+
+
 def finished_episodes(rollout: Rollout):
     """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
     return rollout.dones, rollout.episode_return, rollout.episode_length
@@ -651,13 +615,31 @@ def record_video(agent: Agent, envs, rollout: Optional[Rollout], args: Args, pat
 
         frames = image.render_array(env.env.sys, states, width=320, height=240)
     except Exception as e:  # no OpenGL context: a headless machine without EGL or OSMesa
-        print(f"note: no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl on a GPU machine): "
-              f"kept {path.removesuffix('.mp4')}.html", file=sys.stderr)  # fmt: skip
+        print(f"note: no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl)", file=sys.stderr)
         return None
     with video_writer(path, fps=round(1 / env.env.dt)) as writer:
         for frame in frames:
             writer.append_data(frame)
     return path
+
+
+def env_state(envs: BraxVecEnv) -> dict:
+    """The random key the resets draw from (the physics states are not saved: a resumed run resets)."""
+    return {"key": torch.from_numpy(np.asarray(envs.key).astype(np.int64))}
+
+
+def load_env_state(envs: BraxVecEnv, saved: dict, obs: torch.Tensor) -> torch.Tensor:
+    """The resets' random key as saved, then a reset (the physics states are not saved); returns the observation."""
+    envs.key = envs.jax.device_put(saved["key"].numpy().astype(np.uint32), next(iter(envs.key.devices())))
+    return envs.reset()[0]
+
+
+def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
+    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(args, name)
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
 
 
 def video_writer(path: str, fps: int):
@@ -712,7 +694,7 @@ class Run(contextlib.AbstractContextManager):
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])  # else: new episodes
+            obs = load_env_state(self.envs, mine["envs"], obs)  # envs not saved (e.g. emulators): new episodes
             self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
@@ -803,9 +785,7 @@ class Run(contextlib.AbstractContextManager):
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        # on the CPU: under NCCL a CUDA tensor would be rebuilt on rank 0 as cuda:<its rank>, a GPU it may not see
-        envs = {k: v.cpu() for k, v in self.envs.state_dict().items()} if hasattr(self.envs, "state_dict") else None
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": env_state(self.envs)}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]

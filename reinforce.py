@@ -130,14 +130,6 @@ class Args:
         })  # fmt: skip
 
 
-def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
-    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
-    for name, (ok, rule) in rules.items():
-        value = getattr(args, name)
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
-
-
 # Environment ----------------------------------------------------------------------------------
 class CartPole:
     """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`. Its public attributes and
@@ -154,41 +146,20 @@ class CartPole:
         self.num_envs, self.device = num_envs, torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.sync_free_reset = self.device.type != "cpu"  # on a GPU, reading which envs finished stalls: `_autoreset`
-        self.state = self._initial_states(num_envs)
+        self.state = self.draw_initial_states(num_envs)
         self.episode_return = torch.zeros(num_envs, device=self.device)
         self.episode_length = torch.zeros(num_envs, dtype=torch.int32, device=self.device)
 
-    def _initial_states(self, *shape: int) -> torch.Tensor:
+    def draw_initial_states(self, *shape: int) -> torch.Tensor:
         """States uniform in [-0.05, 0.05], (..., n, 4) for `shape` (..., n); feature-major in memory: see `step`."""
         *lead, n = shape
         return torch.empty(*lead, 4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).mT
 
-    def draw_initial_states(self, num_steps: int) -> torch.Tensor:
-        return self._initial_states(num_steps, self.num_envs)  # (T, N, 4)
-
     def reset(self):
-        self.state = self._initial_states(self.num_envs)
+        self.state = self.draw_initial_states(self.num_envs)
         self.episode_return.zero_()
         self.episode_length.zero_()
         return self.state, {}
-
-    def state_dict(self) -> dict:
-        """The envs' states, episode counters and generator: a checkpoint goes on exactly from them."""
-        generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
-        seed = torch.randint(2**62, (), device=self.device, generator=self.generator)
-        self.generator.set_state(generator)
-        return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
-                "generator": generator, "seed": seed}  # fmt: skip
-
-    def load_state_dict(self, saved: dict) -> torch.Tensor:
-        """The envs as `state_dict` saved them; returns their observation."""
-        keys = ("state", "episode_return", "episode_length")
-        self.state, self.episode_return, self.episode_length = (saved[k].to(self.device) for k in keys)
-        if len(saved["generator"]) == len(self.generator.get_state()):
-            self.generator.set_state(saved["generator"])
-        else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
-            self.generator.manual_seed(int(saved["seed"]))
-        return self.state
 
     def reward_function(self, action: torch.Tensor) -> torch.Tensor:
         """+1 for every step, the one that ends the episode included (as gymnasium)."""
@@ -223,52 +194,13 @@ class CartPole:
     def _autoreset(self, done: torch.Tensor, initial_states: Optional[torch.Tensor]) -> None:
         """Give finished envs fresh initial states, out of place (info["final_obs"] keeps the old)."""
         if initial_states is not None or self.sync_free_reset:  # a state for every env: no host read of `done`
-            fresh = self._initial_states(self.num_envs) if initial_states is None else initial_states
+            fresh = self.draw_initial_states(self.num_envs) if initial_states is None else initial_states
             self.state = torch.where(done.unsqueeze(1), fresh, self.state)
         else:  # no stream to stall on the CPU: draw for the finished envs only (~4x cheaper here)
             idx = done.nonzero().squeeze(1)
-            self.state = self.state.index_put((idx,), self._initial_states(idx.numel()))
+            self.state = self.state.index_put((idx,), self.draw_initial_states(idx.numel()))
         self.episode_return = self.episode_return.masked_fill(done, 0.0)
         self.episode_length = self.episode_length.masked_fill(done, 0)
-
-
-class EasyCart(CartPole):
-    """Shaped reward in [0, 1]: half for an upright pole, half for a centred cart."""
-
-    reward_threshold = None
-
-    def reward_function(self, action: torch.Tensor) -> torch.Tensor:
-        x, theta = self.state[:, 0], self.state[:, 2]
-        upright = 1.0 - theta.abs() / self.theta_threshold_radians
-        centred = 1.0 - x.abs() / self.x_threshold
-        return (0.5 * (upright + centred)).clamp(0.0, 1.0)
-
-
-class SpinCart(CartPole):
-    """Reward for spinning the pole fast with the cart centred and slow; the pole may turn all the way round."""
-
-    reward_threshold = None
-
-    def reward_function(self, action: torch.Tensor) -> torch.Tensor:
-        x, x_dot, theta_dot = self.state[:, 0], self.state[:, 1], self.state[:, 3]
-        spin = (0.1 * theta_dot.abs()).clamp(max=1.0)
-        drift = (x / self.x_threshold).abs() + (x_dot / 10.0).abs()
-        return spin - 0.5 * drift.clamp(max=1.0)
-
-    def terminated(self) -> torch.Tensor:
-        return self.state[:, 0].abs() > self.x_threshold
-
-
-def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
-    """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
-    if envs is None:
-        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
-        return env_class(args.num_envs, device, args.seed + rank)
-    if envs.num_envs != args.num_envs:
-        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
-    if args.capture_video and not isinstance(envs, CartPole):
-        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
-    return envs
 
 
 # Agent ----------------------------------------------------------------------------------------
@@ -342,7 +274,7 @@ class RolloutNoise(NamedTuple):
     def draw(envs, num_steps: int) -> RolloutNoise:
         """The Gumbel noise from torch's global generator (seeded by --seed), the states from the env's own."""
         gumbel = -torch.empty(num_steps, envs.num_envs, envs.num_actions, device=envs.device).exponential_().log()
-        return RolloutNoise(gumbel, envs.draw_initial_states(num_steps))
+        return RolloutNoise(gumbel, envs.draw_initial_states(num_steps, envs.num_envs))
 
 
 class Batch(NamedTuple):
@@ -526,7 +458,46 @@ def train(args: Args, envs=None) -> Agent:
     return agent
 
 
-# What the run management asks of the environment: finished episodes, evaluation, videos -------
+# What train() and the run management call: env variants, episodes, evaluation, videos, env state
+class EasyCart(CartPole):
+    """Shaped reward in [0, 1]: half for an upright pole, half for a centred cart."""
+
+    reward_threshold = None
+
+    def reward_function(self, action: torch.Tensor) -> torch.Tensor:
+        x, theta = self.state[:, 0], self.state[:, 2]
+        upright = 1.0 - theta.abs() / self.theta_threshold_radians
+        centred = 1.0 - x.abs() / self.x_threshold
+        return (0.5 * (upright + centred)).clamp(0.0, 1.0)
+
+
+class SpinCart(CartPole):
+    """Reward for spinning the pole fast with the cart centred and slow; the pole may turn all the way round."""
+
+    reward_threshold = None
+
+    def reward_function(self, action: torch.Tensor) -> torch.Tensor:
+        x, x_dot, theta_dot = self.state[:, 0], self.state[:, 1], self.state[:, 3]
+        spin = (0.1 * theta_dot.abs()).clamp(max=1.0)
+        drift = (x / self.x_threshold).abs() + (x_dot / 10.0).abs()
+        return spin - 0.5 * drift.clamp(max=1.0)
+
+    def terminated(self) -> torch.Tensor:
+        return self.state[:, 0].abs() > self.x_threshold
+
+
+def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
+    """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
+    if envs is None:
+        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
+        return env_class(args.num_envs, device, args.seed + rank)
+    if envs.num_envs != args.num_envs:
+        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
+    if args.capture_video and not isinstance(envs, CartPole):
+        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
+    return envs
+
+
 def finished_episodes(rollout: Rollout):
     """(ended, return, length), tensors of one shape: the episodes that ended during `rollout`."""
     return rollout.dones, rollout.episode_return, rollout.episode_length
@@ -597,6 +568,39 @@ def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
     return path
 
 
+def env_state(envs) -> Optional[dict]:
+    """The CartPoles' states, episode counters and generator, on the CPU (under NCCL a CUDA tensor of rank r would be
+    rebuilt in rank 0 on cuda:r), for a checkpoint to go on exactly from; None for other envs (the tests' probes)."""
+    if not isinstance(envs, CartPole):
+        return None
+    generator = envs.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
+    seed = torch.randint(2**62, (), device=envs.device, generator=envs.generator)
+    envs.generator.set_state(generator)
+    saved = {"state": envs.state, "episode_return": envs.episode_return, "episode_length": envs.episode_length}
+    return {k: v.cpu() for k, v in saved.items()} | {"generator": generator, "seed": seed.cpu()}
+
+
+def load_env_state(envs, saved: Optional[dict], obs: torch.Tensor) -> torch.Tensor:
+    """The envs as `env_state` saved them, returning their observation; `obs` (new episodes) when none were saved."""
+    if saved is None:
+        return obs
+    keys = ("state", "episode_return", "episode_length")
+    envs.state, envs.episode_return, envs.episode_length = (saved[k].to(envs.device) for k in keys)
+    if len(saved["generator"]) == len(envs.generator.get_state()):
+        envs.generator.set_state(saved["generator"])
+    else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
+        envs.generator.manual_seed(int(saved["seed"]))
+    return envs.state
+
+
+def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
+    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(args, name)
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+
+
 def video_writer(path: str, fps: int):
     """An MP4 writer (imageio's ffmpeg, H.264): `append_data(frame)` for each RGB frame (H, W, 3) uint8, then close."""
     import imageio.v2 as imageio
@@ -649,7 +653,7 @@ class Run(contextlib.AbstractContextManager):
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])  # else: new episodes
+            obs = load_env_state(self.envs, mine["envs"], obs)  # envs not saved (e.g. emulators): new episodes
             self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
@@ -740,9 +744,7 @@ class Run(contextlib.AbstractContextManager):
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        # on the CPU: under NCCL a CUDA tensor would be rebuilt on rank 0 as cuda:<its rank>, a GPU it may not see
-        envs = {k: v.cpu() for k, v in self.envs.state_dict().items()} if hasattr(self.envs, "state_dict") else None
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": env_state(self.envs)}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]

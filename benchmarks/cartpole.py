@@ -121,7 +121,7 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
     compiled_steps = torch.compile(sixteen_steps, fullgraph=True)
 
     def compiled(i):
-        compiled_steps(actions[16 * (i % 4) : 16 * (i % 4 + 1)], env.draw_initial_states(16))
+        compiled_steps(actions[16 * (i % 4) : 16 * (i % 4 + 1)], env.draw_initial_states(16, env.num_envs))
 
     rate_compiled = 16 * best_rate(compiled, n, seconds)
     if device.type == "cuda":

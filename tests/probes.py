@@ -37,7 +37,7 @@ class Probe:
         """Observation after a step that does not end the episode (multi-step probes only)."""
         return self.obs
 
-    def draw_initial_states(self, num_steps: int) -> torch.Tensor:
+    def draw_initial_states(self, num_steps: int, num_envs: int) -> torch.Tensor:
         """(num_steps, num_envs, 1): the observation each env restarts from, per step (see CartPole)."""
         return torch.stack([self._initial_obs() for _ in range(num_steps)])
 

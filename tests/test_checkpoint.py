@@ -270,31 +270,31 @@ def test_a_resume_that_fails_leaves_the_interrupted_runs_outputs(in_tmp, monkeyp
     folder = run_dir(in_tmp, args.exp_name)
     before = {f: pathlib.Path(folder, f).read_bytes() for f in ("summary.json", "checkpoint.pt")}
 
-    def broken(self, saved):
+    def broken(envs, saved, obs):
         raise RuntimeError("this env cannot take that state")
 
-    monkeypatch.setattr(P.CartPole, "load_state_dict", broken)
+    monkeypatch.setattr(P, "load_env_state", broken)
     with pytest.raises(RuntimeError, match="this env cannot take that state"):
         P.train(replace(args, resume=folder))
     assert {f: pathlib.Path(folder, f).read_bytes() for f in before} == before
 
 
-def test_the_checkpoint_holds_the_envs_state_on_the_cpu(in_tmp, monkeypatch):
-    """Each rank's env state is moved to the CPU before it is gathered and saved (under NCCL a CUDA tensor of rank r
-    would be rebuilt on cuda:r in rank 0). A tensor subclass stands in for a CUDA tensor where no GPU is lent."""
+def test_the_envs_state_is_saved_on_the_cpu(in_tmp):
+    """`env_state` moves the envs' tensors to the CPU before they are gathered and saved (under NCCL a CUDA tensor of
+    rank r would be rebuilt on cuda:r in rank 0). A tensor subclass stands in for a CUDA tensor where no GPU is lent;
+    and the checkpoint holds what `env_state` gave."""
     P = import_script("ppo_cartpole_gpu")
 
     class OnTheGPU(torch.Tensor):
         def cpu(self):
             return torch.Tensor.cpu(self).as_subclass(torch.Tensor)
 
-    real = P.CartPole.state_dict
-    monkeypatch.setattr(
-        P.CartPole, "state_dict", lambda self: {k: v.as_subclass(OnTheGPU) for k, v in real(self).items()}
-    )
+    envs = P.CartPole(8, "cpu", seed=0)
+    envs.state, envs.episode_return = envs.state.as_subclass(OnTheGPU), envs.episode_return.as_subclass(OnTheGPU)
+    assert all(type(value) is torch.Tensor for value in P.env_state(envs).values())
     P.train(replace(small_args(P), eval_episodes=0))
-    saved = torch.load(os.path.join(run_dir(in_tmp, "ppo_cartpole_gpu"), "checkpoint.pt"), weights_only=False)
-    assert all(type(value) is torch.Tensor for value in saved["ranks"][0]["envs"].values())
+    saved = torch.load(os.path.join(run_dir(in_tmp, "ppo_cartpole_gpu"), "checkpoint.pt"), weights_only=True)
+    assert sorted(saved["ranks"][0]["envs"]) == ["episode_length", "episode_return", "generator", "seed", "state"]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs SIGTERM")

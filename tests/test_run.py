@@ -1,6 +1,7 @@
 """What the five scripts share: the `Run` class (identical copies), the algorithm's shape, the PPO loss
 against hand-computed numbers, and the run management's bookkeeping on scripted rollouts."""
 
+import ast
 import glob
 import importlib
 import inspect
@@ -20,7 +21,7 @@ BANNER = "# Run management: identical in all five scripts\n"
 ALL_SHARED = ["check_flags", "mean_over_ranks", "gradient_step", "video_writer"]
 CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "Tanh", "mlp",
                    "Rollout", "RolloutNoise", "collect_rollout", "LossOf", "functional_gradient_step", "hot_phases",
-                   "finished_episodes", "evaluate", "record_video"]  # fmt: skip
+                   "finished_episodes", "evaluate", "record_video", "env_state", "load_env_state"]  # fmt: skip
 # the PPO algorithm and the compiled gradient step, also in the Brax script (its env, agent and rollout differ)
 PPO_SHARED = ["layer_init", "Tanh", "mlp", "Batch", "compute_gae", "make_batch", "ppo_loss", "explained_variance",
               "update", "LossOf", "functional_gradient_step", "hot_phases"]  # fmt: skip
@@ -61,6 +62,16 @@ def test_args_list_the_algorithm_first_and_the_run_from_total_timesteps(name):
     fields = list(import_script(name).Args.__dataclass_fields__)
     assert fields.index("seed") < fields.index("total_timesteps") < fields.index("exp_name")
     assert fields[fields.index("total_timesteps") :][:3] == ["total_timesteps", "target_return", "exp_name"]
+
+
+@pytest.mark.parametrize("name", ALL_SCRIPTS)
+def test_the_file_keeps_its_line_budgets(name):
+    """Readable in one sitting: at most 950 lines, a run block of at most 300, and the loss within 350 of the top."""
+    with open(os.path.join(ROOT, name + ".py")) as f:
+        text = f.read()
+    (loss,) = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
+    assert len(text.splitlines()) <= 950 and len(run_block(name).splitlines()) <= 300
+    assert loss.lineno - 1 <= 350, f"{loss.name} comes after {loss.lineno - 1} lines"
 
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
