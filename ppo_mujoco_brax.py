@@ -241,8 +241,8 @@ def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation
-    statistics. The networks take normalised observations: `normalize` them first."""
+    """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation statistics
+    (`RunningMeanStd`, with the normalisers below `train`). The networks take normalised observations: `normalize`."""
 
     def __init__(self, obs_dim: int, action_dim: int, norm_obs: bool = True):
         super().__init__()
