@@ -621,15 +621,15 @@ class Run(contextlib.AbstractContextManager):
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         a = self.args
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
-        if self.model is not None:
-            try:  # a checkpoint's agent, or a saved model
+        try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save_checkpoint` wrote
+            if self.model is not None:
                 agent.load_state_dict(self.model.get("agent", self.model))
-            except RuntimeError as e:
-                message = str(e).splitlines()[-1].strip()
-                raise UsageError(f"--load-model {a.load_model} does not fit this agent: {message}") from None
-        if self.saved is not None:  # --resume: all that `save_checkpoint` wrote, back in place
-            for name, obj in self.stateful.items():
+            for name, obj in self.stateful.items() if self.saved is not None else ():
                 obj.load_state_dict(self.saved[name])
+        except (RuntimeError, ValueError) as e:  # another network, or a checkpoint of another version of the script
+            flag = f"--resume {a.resume}" if self.saved is not None else f"--load-model {a.load_model}"
+            raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
+        if self.saved is not None:  # --resume: the rest of the checkpoint, back in place
             self.counters.update(self.saved["counters"])
             self.recent_returns.extend(self.saved["recent_returns"])
             self.checkpointed, mine = self.counters["iteration"], self.saved["ranks"][self.rank]

@@ -161,12 +161,16 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)}
     (tmp_path / "corrupt.pt").write_bytes(open(os.path.join(folder, "checkpoint.pt"), "rb").read()[:500])
     model = os.path.join(folder, "ppo_cartpole_gpu.cleanrl_model")
+    older = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)  # as if by an older script version
+    del older["agent"]["actor.0.bias"]
+    torch.save(older, tmp_path / "older.pt")
     for script, flags, message in (
         ("ppo_cartpole_gpu", ["--resume", "runs/none"], "--resume runs/none: no such file"),
         ("ppo_cartpole_gpu", ["--resume", "corrupt.pt"], "--resume corrupt.pt is not a readable checkpoint"),
         ("vpg", ["--resume", folder], "was written by ppo_cartpole_gpu.py, not vpg.py"),
         ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"], "--gamma must be the checkpoint's 0.99 (--resume"),
         ("ppo_cartpole_gpu", ["--resume", model], "holds weights only; evaluate them with --eval-only --load-model"),
+        ("ppo_cartpole_gpu", ["--resume", "older.pt"], '--resume older.pt does not fit this agent: Missing key(s) in'),
         ("ppo_cartpole_gpu", ["--eval-only"], "--eval-only and --load-model PATH go together"),
         ("ppo_cartpole_gpu", ["--load-model", model], "--eval-only and --load-model PATH go together"),
         ("reinforce", ["--eval-only", "--load-model", model], f"--load-model {model} does not fit this agent"),
