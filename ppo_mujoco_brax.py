@@ -121,7 +121,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the W&B entity (team); None uses your default"""
     capture_video: bool = False
-    """film a mean-action episode on a 1-env copy of the env every `video-interval` iterations and at the end"""
+    """film a mean-action episode on a 1-env copy every `video-interval` iterations, and the first evaluation episode"""
     video_interval: int = 0
     """iterations between two videos, the first at iteration 1 (0: only the video after training)"""
     save_model: bool = False
@@ -577,50 +577,50 @@ def finished_episodes(rollout: Rollout):
     return rollout.dones, rollout.episode_return, rollout.episode_length
 
 
-def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
-    """The return of one episode in each of `eval-episodes` new envs under the mean action (seeded --seed + 1, so
-    --eval-only on the saved model plays the same episodes); with a `video` path, one more episode filmed there."""
-    envs = BraxVecEnv(args.env_id, args.backend, args.eval_episodes, args.episode_length, envs.device, args.seed + 1)
+def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Optional[int] = None) -> list[float]:
+    """The return of one episode in each of `eval-episodes` (or `num_envs`) new envs under the mean action (seeded
+    --seed + 1, so --eval-only on the saved model plays the same episodes); with a `video` path, the first filmed."""
+    envs = BraxVecEnv(args.env_id, args.backend, num_envs or args.eval_episodes, args.episode_length, envs.device,
+                      args.seed + 1)  # fmt: skip
     obs, _ = envs.reset()
-    returns = torch.full((envs.num_envs,), float("nan"), device=envs.device)
+    returns, states = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
     with torch.no_grad():
         for _ in range(envs.max_episode_steps):
+            if video is not None and returns[0].isnan():  # the first env's physics state, while its episode lasts
+                states.append(envs.jax.tree.map(lambda x: x[0], envs.state.pipeline_state))
             obs, _, terminated, truncated, info = envs.step(agent.get_action(agent.normalize(obs), greedy=True))
             returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
             if not returns.isnan().any():
                 break
     if video is not None:
-        record_video(agent, envs, None, args, video)
+        film(envs, states, video)
     return returns.tolist()
 
 
 def record_video(agent: Agent, envs, rollout: Optional[Rollout], args: Args, path: str) -> Optional[str]:
-    """One episode under the mean action on a 1-env copy of the env (not `envs`: training goes on undisturbed), as
-    brax's HTML viewer next to `path` and, where an offscreen renderer works, the MP4 at `path`: returns it or None."""
+    """One episode under the mean action on a new 1-env copy of the env (training's `envs` go on undisturbed), filmed
+    at `path` (see `film`); returns the MP4's path, or None where no offscreen renderer works."""
+    evaluate(agent, envs, args, path, num_envs=1)
+    return path if os.path.exists(path) else None
+
+
+def film(envs: BraxVecEnv, states: list, path: str) -> None:
+    """Physics `states` as brax's HTML viewer next to `path` and, where an offscreen renderer works, the MP4 `path`."""
     from brax.io import html
 
-    env = BraxVecEnv(args.env_id, args.backend, 1, args.episode_length, envs.device, args.seed + 1)
-    obs, states = env.reset()[0], []
-    with torch.no_grad():
-        for _ in range(env.max_episode_steps):
-            states.append(env.jax.tree.map(lambda x: x[0], env.state.pipeline_state))
-            obs, _, terminated, truncated, _ = env.step(agent.get_action(agent.normalize(obs), greedy=True))
-            if bool(terminated[0] | truncated[0]):
-                break
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path.removesuffix(".mp4") + ".html", "w") as f:
-        f.write(html.render(env.env.sys, states))
+        f.write(html.render(envs.env.sys, states))
     try:
         from brax.io import image
 
-        frames = image.render_array(env.env.sys, states, width=320, height=240)
+        frames = image.render_array(envs.env.sys, states, width=320, height=240)
     except Exception as e:  # no OpenGL context: a headless machine without EGL or OSMesa
         print(f"note: no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl)", file=sys.stderr)
-        return None
-    with video_writer(path, fps=round(1 / env.env.dt)) as writer:
+        return
+    with video_writer(path, fps=round(1 / envs.env.dt)) as writer:
         for frame in frames:
             writer.append_data(frame)
-    return path
 
 
 def env_state(envs: BraxVecEnv) -> dict:

@@ -226,9 +226,10 @@ def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, mon
     assert uploaded == (expected if mp4 else [])
 
 
-def test_evaluation_plays_eval_episodes_envs_not_as_many_as_training(monkeypatch):
+def test_evaluation_plays_eval_episodes_envs_not_as_many_as_training(monkeypatch, tmp_path):
     """The final evaluation steps `eval-episodes` new envs, not a copy of the training envs (2048 by default: ~290 s
-    for ant on 2 cores, past the 5 minutes the other torchrun ranks wait at the barrier)."""
+    for ant on 2 cores, past the 5 minutes the other torchrun ranks wait at the barrier); filmed, it films its first
+    episode on those envs (no 1-env copy to compile)."""
     resets = []
     reset = B.BraxVecEnv.reset
     monkeypatch.setattr(B.BraxVecEnv, "reset", lambda self: resets.append(self.num_envs) or reset(self))
@@ -236,6 +237,9 @@ def test_evaluation_plays_eval_episodes_envs_not_as_many_as_training(monkeypatch
     args = B.Args(env_id="inverted_pendulum", num_envs=16, episode_length=5, eval_episodes=4)
     returns = B.evaluate(B.Agent(4, 1), training_envs, args, video=None)
     assert resets == [4] and returns == pytest.approx([5.0] * 4)  # the pole stays up for the 5 steps
+    resets.clear()
+    filmed = B.evaluate(B.Agent(4, 1), training_envs, args, video=str(tmp_path / "videos" / "evaluation.mp4"))
+    assert resets == [4] and filmed == returns and (tmp_path / "videos" / "evaluation.html").is_file()
 
 
 @pytest.mark.parametrize("env_id, normalised", [("inverted_pendulum", False), ("ant", True)])
