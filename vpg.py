@@ -532,10 +532,11 @@ def finished_episodes(rollout: Rollout):
     return rollout.dones, rollout.episode_return, rollout.episode_length
 
 
-def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
-    """The return of one whole episode in each of `eval-episodes` fresh envs under the greedy (argmax) policy; with a
-    `video` path, a grid video there of (up to 16 of) them, a frame per step, each held still once its episode ends."""
-    envs = type(envs)(args.eval_episodes, envs.device, args.seed + 1)
+def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Optional[int] = None) -> list[float]:
+    """The return of one whole episode in each of `eval-episodes` (or `num_envs`) fresh envs under the greedy (argmax)
+    policy; with a `video` path, a grid video there of (up to 16 of) them, a frame per step, each held still once its
+    episode ends."""
+    envs = type(envs)(num_envs or args.eval_episodes, envs.device, args.seed + 1)
     obs, _ = envs.reset()
     returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
     with torch.no_grad():
@@ -552,8 +553,10 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float
 
 
 def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
-    """A grid video of (up to 16 of) the envs of `rollout` at `path`; returns the path."""
-    return grid_video(path, rollout.obs, fps=50)
+    """Whole episodes of the policy as it is now, greedy, in 16 new envs (the same 16 at every video, so they show what
+    training changed), as `evaluate` films them at `path`; returns the path. Training's envs go on undisturbed."""
+    evaluate(agent, envs, args, path, num_envs=16)
+    return path
 
 
 def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
@@ -655,10 +658,10 @@ class Run(contextlib.AbstractContextManager):
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         # the run's progress, checkpointed as is; "seconds" and "timed_steps" leave out set-up and compilation
         self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, solved_step=None,
-                             solved_seconds=None)  # fmt: skip
+                             solved_seconds=None, target_reached=False)  # fmt: skip
         self.recent_returns: deque[float] = deque(maxlen=100)
-        self.agent = self.progress = self.writer = self.wandb = None
-        self.handlers, self.stop_signal, self.target_reached, self.checkpointed = {}, 0, False, -1
+        self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
+        self.handlers, self.stop_signal, self.checkpointed, self.next_check = {}, 0, -1, 0
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
@@ -677,6 +680,9 @@ class Run(contextlib.AbstractContextManager):
             raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
         if self.saved is not None:  # --resume: the rest of the checkpoint, back in place
             self.counters.update(self.saved["counters"])
+            done = self.counters["target_reached"] and self.saved["args"]["target_return"] == a.target_return
+            if done or self.counters["global_step"] >= total_steps:  # a finished run would only evaluate again
+                raise UsageError(f"--resume {a.resume}: the run has ended; raise --total-timesteps or --target-return")
             self.recent_returns.extend(self.saved["recent_returns"])
             self.checkpointed, mine = self.counters["iteration"], self.saved["ranks"][self.rank]
             torch.set_rng_state(mine["rng"])
@@ -696,9 +702,10 @@ class Run(contextlib.AbstractContextManager):
             self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
             table = "".join(f"\n|{key}|{value}|" for key, value in asdict(a).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|" + table)
-            if a.progress_bar and not a.eval_only:  # its ETA tells how long the run takes
-                self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True)
-        if total_steps < 0.99 * a.total_timesteps and not a.eval_only:  # not for 5M -> 4,999,168
+            if a.progress_bar and not a.eval_only and sys.stderr.isatty():  # a log file would fill with its redraws
+                end = None if a.target_return is None else f"until return {a.target_return:g}"  # or the ETA's end
+                self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True, desc=end)
+        if total_steps < 0.999 * a.total_timesteps and not a.eval_only:  # not for 5M -> 4,999,168
             self.note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -748,7 +755,7 @@ class Run(contextlib.AbstractContextManager):
         threshold, target = getattr(self.envs, "reward_threshold", None), self.args.target_return
         if threshold is not None and c["solved_step"] is None and mean >= threshold:
             c["solved_step"], c["solved_seconds"] = c["global_step"], c["seconds"]
-        self.target_reached = target is not None and mean >= target
+        c["target_reached"] = target is not None and mean >= target and self.confirmed(mean, target)
         sps = int(c["timed_steps"] / c["seconds"]) if c["seconds"] else None
         scalars = {"charts/learning_rate": self.optimizer.param_groups[0]["lr"], "charts/SPS": sps} | values
         if len(returns):
@@ -768,7 +775,23 @@ class Run(contextlib.AbstractContextManager):
             self.save_checkpoint()
         if stop_signal:
             raise KeyboardInterrupt(stop_signal)
-        return self.target_reached
+        return c["target_reached"]
+
+    def confirmed(self, mean: float, target: float) -> bool:
+        """Whether the policy `evaluate` plays reaches the target too (a sampling policy can, while its greedy twin
+        drifts off); asked again after 100 more episodes, rank 0 evaluating for all; its time is not training time."""
+        if not self.args.eval_episodes or self.counters["episodes"] < self.next_check:
+            return not self.args.eval_episodes  # without an evaluation the training episodes decide
+        start, self.next_check = time.perf_counter(), self.counters["episodes"] + 100
+        self.note(f"the last 100 episodes' mean return {mean:.1f} reached the target: evaluating the policy to confirm")
+        self.eval_returns = evaluate(self.agent, self.envs, self.args, None) if self.rank == 0 else [-math.inf]
+        ok = torch.tensor(float(np.mean(self.eval_returns) >= target), device=self.device)
+        if self.world_size > 1:  # the ranks stop together
+            dist.broadcast(ok, src=0)
+        if not ok:
+            self.note(f"the evaluation's mean return is {np.mean(self.eval_returns):.1f}: training on")
+        self.clock += time.perf_counter() - start
+        return bool(ok)
 
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
@@ -800,7 +823,7 @@ class Run(contextlib.AbstractContextManager):
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
         a, c, stopped = self.args, self.counters, isinstance(exc, KeyboardInterrupt) and bool(exc.args)
-        status = "evaluated" if a.eval_only else "target return reached" if self.target_reached else "completed"
+        status = "evaluated" if a.eval_only else "target return reached" if c["target_reached"] else "completed"
         if exc is not None:
             status = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss"}.get(exc_type, "error")
         whole = (exc is None or stopped) and self.agent is not None  # at the end of an iteration: not a second Ctrl-C
@@ -825,8 +848,10 @@ class Run(contextlib.AbstractContextManager):
             video = os.path.join(self.dir, "videos", "evaluation.mp4") if a.capture_video else None
             for sig in self.handlers:  # a signal now ends the evaluation at once; summary.json is still written
                 signal.signal(sig, signal.default_int_handler)
-            with contextlib.suppress(KeyboardInterrupt):
-                s["eval_returns"] = evaluate(self.agent, self.envs, a, video)
+            with contextlib.suppress(KeyboardInterrupt):  # the evaluation that confirmed the target, unless filmed
+                if not (reuse := c["target_reached"] and video is None):
+                    self.note(f"evaluating the policy on {a.eval_episodes} episodes")
+                s["eval_returns"] = self.eval_returns if reuse else evaluate(self.agent, self.envs, a, video)
                 s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
                 if video and os.path.exists(video) and self.wandb is not None:

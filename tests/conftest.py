@@ -92,6 +92,12 @@ def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> 
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
+def assert_close(actual, expected, name: str, **tolerances) -> None:
+    """torch.testing.assert_close with `name` in front of torch's own message, which gives the largest absolute and
+    relative differences and where they are (`msg=name` alone would replace that message)."""
+    torch.testing.assert_close(actual, expected, msg=lambda message: f"{name}: {message}", **tolerances)
+
+
 def read_json(path) -> dict:
     """A JSON file's content, the file closed again (a bare json.load(open(...)) leaks it until collected)."""
     with open(path) as f:

@@ -41,11 +41,15 @@ def update_batches() -> dict:
 
 
 def updated(name: str, batch) -> dict:
-    """The weights after `update` (2 epochs, 1 minibatch, no advantage normalisation) on `batch`."""
+    """The weights after `update` (2 epochs, 1 minibatch, no advantage normalisation) on `batch`, by plain SGD and no
+    clipping (the gradient norms are 11.4 and 0.70): each weight moves by lr times its gradient, so a wrong scale (the
+    ranks' sum for their mean) shows, and another order of float32 sums moves it by lr times that rounding (2 ranks
+    against 1 process: 3e-8 at most, moves of 4e-4 to 9e-3 for Atari). Adam's first step, lr * g / (|g| + eps), hides
+    the scale and multiplies the rounding by up to lr / eps = 100 where |g| << eps: 1.9e-5 apart on an Intel Xeon."""
     torch.manual_seed(0)
     agent = A.Agent(4) if name == "atari" else B.Agent(3, 2)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    flags = dict(norm_adv=False, num_minibatches=1, update_epochs=2)
+    optimizer = torch.optim.SGD(agent.parameters(), lr=0.01)
+    flags = dict(norm_adv=False, num_minibatches=1, update_epochs=2, max_grad_norm=1e3)
     module = A if name == "atari" else B  # both take the eager gradient step of CartPole's PPO
     args = module.Args(**flags)
     module.update(functools.partial(module.gradient_step, agent, optimizer, module.ppo_loss, args), batch, args)

@@ -256,6 +256,10 @@ def test_smoke_run(env_id, normalised, tmp_path):
     assert set(summary) == SUMMARY_KEYS and summary["args"]["backend"] == "spring"
     assert summary["status"] == "completed" and summary["total_env_steps"] == 1600 and summary["mean_sps"] > 0
     assert len(summary["eval_returns"]) == 16 and glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
+    # JAX's silent compilations are announced: the training envs' at the start, the evaluation's at the end
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: JAX compiles {env_id}'s reset and step for 16 envs first (tens of seconds on a CPU)",
+                     "note: evaluating the policy on 16 episodes"], result.stderr  # fmt: skip
     state = torch.load(os.path.join(tmp_path, summary["model_path"]))
     assert (state["obs_rms.count"] >= 1600) == normalised  # 10 rollouts of 160 observations, or unused
 

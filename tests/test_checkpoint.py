@@ -1,5 +1,6 @@
 """Never lose a run: checkpoints, --resume, SIGTERM/SIGINT, and --eval-only on a saved model."""
 
+import copy
 import glob
 import os
 import pathlib
@@ -171,6 +172,7 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
         ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"], "--gamma must be the checkpoint's 0.99 (--resume"),
         ("ppo_cartpole_gpu", ["--resume", model], "holds weights only; evaluate them with --eval-only --load-model"),
         ("ppo_cartpole_gpu", ["--resume", "older.pt"], '--resume older.pt does not fit this agent: Missing key(s) in'),
+        ("ppo_cartpole_gpu", ["--resume", folder], "the run has ended; raise --total-timesteps or --target-return"),
         ("ppo_cartpole_gpu", ["--eval-only"], "--eval-only and --load-model PATH go together"),
         ("ppo_cartpole_gpu", ["--load-model", model], "--eval-only and --load-model PATH go together"),
         ("reinforce", ["--eval-only", "--load-model", model], f"--load-model {model} does not fit this agent"),
@@ -200,19 +202,26 @@ def test_resume_takes_the_checkpoints_flags_and_may_extend_the_run(tmp_path):
 # Atari and Brax: their emulators are not ours to save; the agent, optimizer and statistics are
 # ---------------------------------------------------------------------------------------------
 def restored_state(module, args, monkeypatch):
-    """Train `args`, then resume it with nothing left to do; return (checkpoint, the resumed Run)."""
+    """Train `args`, then resume it for one rollout more; return (the checkpoint, the state dicts of all it holds and
+    the counters as the resumed run's `start` left them, before that rollout)."""
     module.train(args)
     (folder,) = glob.glob(os.path.join("runs", "*"))
     saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
-    runs = []
-    real_start = module.Run.start
-    monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: runs.append(self) or real_start(self, *a, **k))
-    module.train(replace(args, resume=folder))
-    return saved, runs[0]
+    restored, real_start = {}, module.Run.start
+
+    def start(self, *a, **k):
+        obs = real_start(self, *a, **k)
+        restored.update({name: copy.deepcopy(obj.state_dict()) for name, obj in self.stateful.items()})
+        restored["counters"] = dict(self.counters)
+        return obs
+
+    monkeypatch.setattr(module.Run, "start", start)
+    more = args.total_timesteps + args.num_envs * args.num_steps
+    module.train(replace(args, resume=folder, total_timesteps=more))
+    return saved, restored
 
 
-def assert_same_state(saved: dict, obj) -> None:
-    state = obj.state_dict()
+def assert_same_state(saved: dict, state: dict) -> None:
     if "state" in state:  # an optimizer: per-parameter tensors, and the hyperparameters
         for key, entry in state["state"].items():
             for name, value in entry.items():
@@ -227,22 +236,23 @@ def test_atari_resume_restores_agent_and_optimizer(in_tmp, monkeypatch):
     A = import_script("ppo_atari_envpool")
     args = A.Args(env_id="Pong-v5", num_envs=4, num_steps=32, total_timesteps=4 * 32 * 2, progress_bar=False,
                   eval_episodes=0, device="cpu")  # fmt: skip
-    saved, run = restored_state(A, args, monkeypatch)
-    assert saved["counters"]["iteration"] == run.counters["iteration"] == 2 and saved["ranks"][0]["envs"] is None
-    assert_same_state(saved["agent"], run.agent)
-    assert_same_state(saved["optimizer"], run.optimizer)
+    saved, restored = restored_state(A, args, monkeypatch)
+    assert saved["counters"]["iteration"] == restored["counters"]["iteration"] == 2
+    assert saved["ranks"][0]["envs"] is None
+    assert_same_state(saved["agent"], restored["agent"])
+    assert_same_state(saved["optimizer"], restored["optimizer"])
 
 
 def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tmp, monkeypatch):
     B = import_script("ppo_mujoco_brax")
     args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
                   total_timesteps=16 * 10 * 2, progress_bar=False, eval_episodes=0, device="cpu")  # fmt: skip
-    saved, run = restored_state(B, args, monkeypatch)
-    assert saved["counters"]["iteration"] == run.counters["iteration"] == 2
+    saved, restored = restored_state(B, args, monkeypatch)
+    assert saved["counters"]["iteration"] == restored["counters"]["iteration"] == 2
     assert "obs_rms.mean" in saved["agent"] and saved["agent"]["obs_rms.count"] > 1  # the normaliser is in it
-    assert_same_state(saved["agent"], run.agent)
-    assert_same_state(saved["optimizer"], run.optimizer)
-    assert_same_state(saved["reward_scaler"], run.stateful["reward_scaler"])
+    assert_same_state(saved["agent"], restored["agent"])
+    assert_same_state(saved["optimizer"], restored["optimizer"])
+    assert_same_state(saved["reward_scaler"], restored["reward_scaler"])
     assert saved["ranks"][0]["envs"]["key"].shape == (2,)  # the resets' random key (the physics restart)
 
 

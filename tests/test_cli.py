@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 
+import imageio_ffmpeg
 import pytest
 import torch
 
@@ -59,6 +60,7 @@ def test_smoke_run_writes_events_summary_video_model_and_wandb(script, tmp_path)
         summary["solved_threshold"] == 475 and summary["solved_at_step"] is None and len(summary["eval_returns"]) == 3
     )
     assert summary["eval_mean_return"] == pytest.approx(sum(summary["eval_returns"]) / 3)
+    assert "\r" not in result.stderr  # no progress bar where stderr is not a terminal: its redraws would fill a log
     result_line = result.stdout.strip().splitlines()[-1]
     assert result_line.startswith("completed: ") and f"outputs in {os.path.relpath(run_dir, tmp_path)}" in result_line
     # iterations 1, 3, 5, ...: a 4x4 grid video each, and one of the evaluation
@@ -72,6 +74,19 @@ def test_smoke_run_writes_events_summary_video_model_and_wandb(script, tmp_path)
     agent = module.Agent(4, 2)
     agent.load_state_dict(torch.load(os.path.join(tmp_path, summary["model_path"])))
     assert glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*"))
+
+
+def test_training_videos_film_whole_episodes_of_the_current_policy(tmp_path):
+    """A training video films whole greedy episodes in 16 new envs, as the final evaluation does: one frame per step of
+    the longest, not the rollout's 16 steps (0.32 s at 50 fps). Training's envs are left as they were."""
+    agent, envs, args = P.Agent(4, 2), P.CartPole(32, "cpu", seed=5), P.Args(num_steps=16)
+    agent.actor = torch.nn.Linear(4, 2, bias=False)  # push the way the pole turns: episodes of ~40-200 steps
+    torch.nn.init.zeros_(agent.actor.weight)
+    agent.actor.weight.data[:, 3] = torch.tensor([-1.0, 1.0])
+    before = envs.state.clone()
+    path = P.record_video(agent, envs, None, args, str(tmp_path / "videos" / "training_iter00001.mp4"))
+    returns = P.evaluate(agent, envs, args, None, num_envs=16)
+    assert imageio_ffmpeg.count_frames_and_secs(path)[0] == max(returns) > 16 and torch.equal(envs.state, before)
 
 
 COMMON_BAD_FLAGS = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from conftest import SCRIPTS, import_script, read_json
+from conftest import SCRIPTS, assert_close, import_script, read_json
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -43,7 +43,7 @@ def test_compiled_training_matches_eager(name, in_tmp):
     expected = {"ppo_cartpole_gpu": 3, "vpg": 3, "reinforce": 3}[name]
     assert graph_count() - before == expected
     for (key, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=key)
+        assert_close(a, b, key, atol=2e-4, rtol=1e-3)
 
 
 def test_compiled_brax_training_matches_eager(in_tmp):
@@ -58,7 +58,7 @@ def test_compiled_brax_training_matches_eager(in_tmp):
     compiled = mod.train(mod.Args(**flags, compile=True))
     assert graph_count() - before == 2
     for (key, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=key)
+        assert_close(a, b, key, atol=2e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg"])
@@ -85,7 +85,7 @@ def test_functional_gradient_step_is_torch_adam_with_clipping(name):
         for tag in stats:
             torch.testing.assert_close(stats[tag], twin_stats[tag])
     for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=key)
+        assert_close(a, b, key, atol=1e-6, rtol=1e-5)
     # the optimizer's state is Adam's own: an eager step can follow compiled ones
     for p, q in zip(agent.parameters(), twin.parameters()):
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], twin_opt.state[q]["exp_avg_sq"])
@@ -135,7 +135,7 @@ def test_a_loss_may_call_any_agent_method_compiled_too():
     compiled(torch.tensor(1e-2), batch)
     mod.gradient_step(twin, twin_opt, loss_fn, args, batch)
     for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=key)
+        assert_close(a, b, key, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("make", [

@@ -10,7 +10,7 @@ import pytest
 import torch
 from dp_worker import fixed_batch, update_batches, updated
 
-from conftest import ROOT, import_script, interrupt_after_an_iteration, read_json
+from conftest import ROOT, assert_close, import_script, interrupt_after_an_iteration, read_json
 
 P = import_script("ppo_cartpole_gpu")
 
@@ -52,14 +52,14 @@ def test_two_ranks_take_the_single_process_step(worker_outputs, norm_adv):
     for rank in (0, 1):
         got = torch.load(worker_outputs / f"step_norm{int(norm_adv)}_rank{rank}.pt")
         for key in expected:
-            torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-5, msg=key)
+            assert_close(got[key], expected[key], key, atol=1e-6, rtol=1e-5)
     if not norm_adv:  # and then it is the plain full-batch step
         torch.manual_seed(0)
         agent = P.Agent(4, 2)
         optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
         P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=False, max_grad_norm=0.05), fixed_batch())
         for key, value in agent.state_dict().items():
-            torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5, msg=key)
+            assert_close(value, expected[key], key, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg", "reinforce"])
@@ -83,7 +83,7 @@ def test_atari_and_brax_updates_on_two_ranks_equal_one_process(worker_outputs, n
     for rank in (0, 1):
         got = torch.load(worker_outputs / f"update_{name}_rank{rank}.pt")
         for key in expected:
-            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4, msg=key)
+            assert_close(got[key], expected[key], key, atol=1e-6, rtol=1e-5)
 
 
 def test_observation_statistics_cover_all_ranks(worker_outputs):
@@ -93,7 +93,7 @@ def test_observation_statistics_cover_all_ranks(worker_outputs):
     for rank in (0, 1):
         got = torch.load(worker_outputs / f"rms_rank{rank}.pt")
         for key, value in rms.state_dict().items():
-            torch.testing.assert_close(got[key], value, msg=key)
+            assert_close(got[key], value, key)
 
 
 @pytest.mark.parametrize("script, flags", [

@@ -2,6 +2,7 @@
 against hand-computed numbers, and the run management's bookkeeping on scripted rollouts."""
 
 import ast
+import contextlib
 import glob
 import importlib
 import inspect
@@ -66,11 +67,11 @@ def test_args_list_the_algorithm_first_and_the_run_from_total_timesteps(name):
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
 def test_the_file_keeps_its_line_budgets(name):
-    """Readable in one sitting: at most 950 lines, a run block of at most 300, and the loss within 350 of the top."""
+    """Readable in one sitting: at most 1,000 lines, a run block of at most 320, and the loss within 350 of the top."""
     with open(os.path.join(ROOT, name + ".py")) as f:
         text = f.read()
     (loss,) = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
-    assert len(text.splitlines()) <= 950 and len(run_block(name).splitlines()) <= 300
+    assert len(text.splitlines()) <= 1000 and len(run_block(name).splitlines()) <= 320
     assert loss.lineno - 1 <= 350, f"{loss.name} comes after {loss.lineno - 1} lines"
 
 
@@ -177,7 +178,7 @@ class ScriptedRollout:
 
 
 def scripted_run(in_tmp, rollouts, stats=None, **flags):
-    args = P.Args(progress_bar=False, eval_episodes=0, save_model=True, **flags)
+    args = P.Args(**dict(progress_bar=False, eval_episodes=0, save_model=True) | flags)
     agent = P.Agent(4, 2)
     optimizer = torch.optim.Adam(agent.parameters())
     stats = stats or {"losses/total_loss": torch.tensor(0.5), "losses/explained_variance": torch.tensor(float("nan"))}
@@ -209,6 +210,45 @@ def test_run_without_target_runs_every_iteration(in_tmp):
     summary, stopped_at = scripted_run(in_tmp, [[500.0] * 100, [], [500.0]], target_return=None)
     assert stopped_at is None and summary["status"] == "completed" and summary["episodes"] == 101
     assert summary["solved_at_step"] == 1000  # solved, but there was no target to stop at
+
+
+def test_the_target_stops_a_run_once_the_evaluation_reaches_it_too(in_tmp, monkeypatch, capsys):
+    """A sampling policy can reach the target while the evaluated one falls short (Brax's inverted_pendulum, seed 1 on
+    an Intel Xeon: a 100-episode mean of 905, its mean action 749). The run trains on and asks again once 100 more
+    episodes have ended; it stops when the evaluation reaches the target, whose returns the summary keeps."""
+    scores, calls = iter([[400.0] * 3, [500.0] * 3]), []
+    monkeypatch.setattr(P, "evaluate", lambda agent, envs, args, video: calls.append(video) or next(scores))
+    rollouts = [[500.0] * 100, [500.0] * 50, [500.0] * 60, [500.0] * 10]
+    summary, stopped_at = scripted_run(in_tmp, rollouts, eval_episodes=3)
+    # 1: evaluated 400, trains on; 2: 50 episodes later, not asked; 3: 110 later, evaluated 500: stops
+    assert stopped_at == 3 and calls == [None, None] and summary["status"] == "target return reached"
+    assert summary["eval_returns"] == [500.0] * 3  # the confirming evaluation's: not played a third time
+    err = capsys.readouterr().err
+    assert err.count("reached the target: evaluating the policy to confirm") == 2 and "is 400.0: training on" in err
+
+
+def test_a_real_untrained_policy_does_not_confirm_the_target(in_tmp):
+    """An untrained agent's greedy policy does not balance for 500 steps: scripted returns of 500 do not stop the run."""
+    summary, stopped_at = scripted_run(in_tmp, [[500.0] * 100, [500.0] * 100], eval_episodes=4)
+    assert stopped_at is None and summary["status"] == "completed" and summary["eval_mean_return"] < 500
+
+
+@pytest.mark.parametrize("target, refused", [(490.0, True), (None, False)])
+def test_resuming_a_run_that_reached_its_target_is_refused_unless_the_target_changes(in_tmp, target, refused):
+    """A finished run resumed would train one more iteration and evaluate again, overwriting its summary."""
+    scripted_run(in_tmp, [[500.0] * 100, [500.0] * 100], target_return=490.0)
+    (folder,) = glob.glob(str(in_tmp / "runs" / "*"))
+    agent = P.Agent(4, 2)
+    args = P.Args(progress_bar=False, eval_episodes=0, target_return=target, resume=folder)
+    expected = pytest.raises(P.UsageError, match="the run has ended") if refused else contextlib.nullcontext()
+    with expected, P.Run(args) as run:
+        run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10_000)
+
+
+def test_the_progress_bar_on_a_terminal_names_the_target_that_may_end_the_run_early(in_tmp, monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    scripted_run(in_tmp, [[10.0], [10.0]], progress_bar=True, target_return=490.0)
+    assert "until return 490: 100%" in capsys.readouterr().err
 
 
 def test_run_stops_on_a_non_finite_loss_and_keeps_no_weights(in_tmp):
@@ -301,16 +341,17 @@ def test_benchmark_machine_line_without_sched_getaffinity(monkeypatch):
     assert f"{os.cpu_count()} cores" in common.machine()
 
 
-def test_run_says_when_total_timesteps_is_rounded_down(in_tmp, capsys):
-    """3 scripted rollouts of 1,000 steps against --total-timesteps 5,000,000: the note names both numbers."""
-    scripted_run(in_tmp, [[10.0], [10.0], [10.0]])
+@pytest.mark.parametrize("total", [5_000_000, 2_010])
+def test_run_says_when_total_timesteps_is_rounded_down(in_tmp, capsys, total):
+    """2 scripted rollouts of 1,000 steps: 5,000,000 or 2,010 (0.5% lost, like 200,000 -> 198,656) name both numbers."""
+    scripted_run(in_tmp, [[10.0], [10.0]], total_timesteps=total, num_envs=8)
     err = capsys.readouterr().err
-    assert "note: --total-timesteps 5,000,000 is rounded down to whole rollouts: 3,000" in err
+    assert f"note: --total-timesteps {total:,} is rounded down to whole rollouts: 2,000" in err
 
 
-def test_run_keeps_quiet_about_a_rounding_under_one_percent(in_tmp, capsys):
-    """The defaults' 5,000,000 -> 4,999,168 (2,048-step rollouts) is not worth a line in every run."""
-    scripted_run(in_tmp, [[10.0], [10.0]], total_timesteps=2_010, num_envs=8)
+def test_run_keeps_quiet_about_a_rounding_under_a_thousandth(in_tmp, capsys):
+    """The defaults' 5,000,000 -> 4,999,168 (2,048-step rollouts, 0.02%) is not worth a line in every run."""
+    scripted_run(in_tmp, [[10.0], [10.0]], total_timesteps=2_001, num_envs=8)
     assert "rounded down" not in capsys.readouterr().err
 
 
