@@ -111,7 +111,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the W&B entity (team); None uses your default"""
     capture_video: bool = False
-    """save a 4x4 grid video of 16 envs from the rollout every `video-interval` iterations"""
+    """every `video-interval` iterations, film whole greedy episodes of 16 new envs (a 4x4 grid MP4)"""
     video_interval: int = 25
     """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
     save_model: bool = False

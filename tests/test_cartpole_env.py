@@ -13,6 +13,8 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 from conftest import SCRIPTS
 
+pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
+
 
 @pytest.fixture(params=SCRIPTS)
 def P(request):

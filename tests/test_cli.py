@@ -114,6 +114,7 @@ SCRIPT_BAD_FLAGS = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "script, flags, message",
     [(script, f, m) for script in SCRIPTS for f, m in COMMON_BAD_FLAGS] + SCRIPT_BAD_FLAGS,
@@ -123,6 +124,7 @@ def test_bad_flags_give_one_clear_line(script, flags, message, tmp_path):
     assert not os.path.exists(tmp_path / "runs")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_bad_flag_is_one_line_from_a_fresh_interpreter(script, tmp_path):
     """As above, run as `python script.py`: nothing else reaches stderr, the imports' output included."""
@@ -158,6 +160,7 @@ class NaNProbe(Probe1):
         return torch.full((self.num_envs,), float("nan"))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_non_finite_loss_stops_the_run(script, in_tmp):
     module = importlib.import_module(script)
@@ -170,6 +173,7 @@ def test_non_finite_loss_stops_the_run(script, in_tmp):
     assert summary["status"] == "non-finite loss" and summary["model_path"] is None
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("target_kl, expected_calls", [(None, 2 * 4 * 4), (1e-9, 2 * 4)])
 def test_target_kl_stops_the_epochs_early(target_kl, expected_calls, in_tmp, monkeypatch):
     calls = []
@@ -181,6 +185,7 @@ def test_target_kl_stops_the_epochs_early(target_kl, expected_calls, in_tmp, mon
     assert len(calls) == expected_calls
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_env_size_must_match_num_envs(script, in_tmp):
     module = importlib.import_module(script)

@@ -7,6 +7,8 @@ import torch
 from conftest import import_script
 from reference import reference_gae
 
+pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
+
 
 @pytest.fixture(params=["ppo_cartpole_gpu", "vpg", "ppo_atari_envpool", "ppo_mujoco_brax"])
 def P(request):

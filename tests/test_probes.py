@@ -11,6 +11,8 @@ import torch
 import ppo_cartpole_gpu as P
 from probes import PROBES
 
+pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
+
 GAMMA = 0.99
 # (observations, expected values, expected action probabilities or None, tolerance)
 EXPECTED = {

@@ -7,6 +7,8 @@ import torch
 import reinforce as R
 from reference import reference_returns
 
+pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
+
 KNOWN_RETURNS = [1.9883, 3.9766, 5.9531, 7.9062, 9.8125, 11.625, 13.25, 14.5, 15.0, 14.0, 10.0]
 
 

@@ -17,6 +17,8 @@ import torch
 
 from conftest import ALL_SCRIPTS, ROOT, SCRIPTS, SUMMARY_KEYS, import_script, read_json
 
+pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
+
 BANNER = "# Run management: identical in all five scripts\n"
 # pieces outside the run block that every script carries, word for word
 ALL_SHARED = ["check_flags", "mean_over_ranks", "gradient_step", "video_writer"]
@@ -228,7 +230,7 @@ def test_the_target_stops_a_run_once_the_evaluation_reaches_it_too(in_tmp, monke
 
 
 def test_a_real_untrained_policy_does_not_confirm_the_target(in_tmp):
-    """An untrained agent's greedy policy does not balance for 500 steps: scripted returns of 500 do not stop the run."""
+    """An untrained agent's greedy policy does not balance for 500 steps: scripted returns of 500 do not stop it."""
     summary, stopped_at = scripted_run(in_tmp, [[500.0] * 100, [500.0] * 100], eval_episodes=4)
     assert stopped_at is None and summary["status"] == "completed" and summary["eval_mean_return"] < 500
 

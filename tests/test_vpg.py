@@ -5,6 +5,8 @@ import torch
 
 import vpg as V
 
+pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
+
 
 def batch(seed=0, n=64):
     g = torch.Generator().manual_seed(seed)
