@@ -431,14 +431,15 @@ def train(args: Args) -> Agent:
         if args.compile:  # compile the forward pass only, so the weights keep their plain names
             agent.forward = torch.compile(agent.forward)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # eps: detail 3
+        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
         step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
         rollout = Rollout.empty(T, N, device)
         envs.async_reset()
         # with --resume: agent, optimizer, RNGs and counters as the checkpoint left them (the games start afresh)
         run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
         for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
+                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             env_steps = collect_rollout(agent, envs, rollout, env_batch)
             # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
             advantages, returns = compute_gae(rollout.rewards[:T], rollout.values[:T], rollout.values[1 : T + 1],

@@ -484,13 +484,14 @@ def train(args: Args, envs=None) -> Agent:
         agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
         # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
         collect, prepare, step = hot_phases(agent, optimizer, ppo_loss, args, collect_rollout, make_batch)
         rollout = Rollout.empty(T, N, envs.obs_dim, device)
         # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them
         obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
         for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
+                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             obs = collect(agent, envs, obs, rollout, RolloutNoise.draw(envs, T))
             batch = prepare(agent, rollout, args)
             stats = update(step, batch, args)

@@ -484,6 +484,7 @@ def train(args: Args) -> Agent:
         envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + run.rank)
         agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)  # rank 0's, see run.start
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
         prepare, step = hot_phases(agent, optimizer, ppo_loss, args, make_batch)
         rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
@@ -491,8 +492,8 @@ def train(args: Args) -> Agent:
         raw_obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0],
                             reward_scaler=scale_reward)  # fmt: skip
         for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
+                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             raw_obs = collect_rollout(agent, envs, raw_obs, rollout, scale_reward)
             batch = prepare(agent, rollout, args)
             stats = update(step, batch, args)

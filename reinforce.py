@@ -437,14 +437,15 @@ def train(args: Args, envs=None) -> Agent:
         agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
         # the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
         # the hot phases: as written, or torch.compile'd with --compile
         collect, step = hot_phases(agent, optimizer, reinforce_loss, args, collect_rollout)
         storage = Rollout.empty(args.num_steps, args.num_envs, envs.obs_dim, device)
         total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
         run.start(agent, envs, optimizer, total_steps)  # with --resume: all as the checkpoint left it
         while run.counters["global_step"] < total_steps:
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = (1 - run.counters["global_step"] / total_steps) * args.learning_rate
+            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
+                group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
             steps = collect_episodes(collect, agent, envs, storage)
             rollout = Rollout(*(x[:steps] for x in storage))
             # each env's first episode only: an unbiased sample of the policy's episodes (see the module docstring)
