@@ -435,7 +435,8 @@ def train(args: Args) -> Agent:
         step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
         rollout = Rollout.empty(T, N, device)
         envs.async_reset()
-        # with --resume: agent, optimizer, RNGs and counters as the checkpoint left them (the games start afresh)
+        # with --resume: agent, optimizer, RNGs and counters as the checkpoint left them (EnvPool's games start anew;
+        # your own state goes in by name: a tensor changed in place, or an object with a state_dict())
         run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
         for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
@@ -454,7 +455,7 @@ def train(args: Args) -> Agent:
     return agent
 
 
-# What train() and the run management call: game ids, game scores, evaluation, videos, env state
+# What train() and the run management call: game ids, game scores, evaluation, videos
 def is_atari_game(env_id: str) -> bool:
     """Whether EnvPool has this Atari game (UsageError when envpool is not installed)."""
     try:
@@ -567,16 +568,6 @@ def has_fast_bf16(device: str) -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
-def env_state(envs) -> None:
-    """Nothing: EnvPool's emulators cannot be saved, so a resumed run starts new games."""
-    return None
-
-
-def load_env_state(envs, saved: None, obs):
-    """`obs` as it is: a resumed run plays the new games that `envs` started (see `env_state`)."""
-    return obs
-
-
 def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
     """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
     for name, (ok, rule) in rules.items():
@@ -617,16 +608,22 @@ class Run(contextlib.AbstractContextManager):
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
-        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: more
-        objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
+        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: your
+        state, tensors or objects with a state_dict), --load-model the agent's weights. Returns `obs` or the envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         a = self.args
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
+        if odd := [k for k, v in self.stateful.items() if not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
+            raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
+        # the optimizer's settings (torch's load_state_dict takes the checkpoint's), but the rate: the flag's, annealed
+        for saved, group in zip(self.saved["optimizer"]["param_groups"] if self.saved else [], optimizer.param_groups):
+            for key in [key for key, value in saved.items() if key not in ("params", "lr") and group.get(key) != value]:
+                self.note(f"the checkpoint's optimizer {key} {saved[key]} replaces the code's {group.get(key)}")
         try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save_checkpoint` wrote
             if self.model is not None:
                 agent.load_state_dict(self.model.get("agent", self.model))
             for name, obj in self.stateful.items() if self.saved is not None else ():
-                obj.load_state_dict(self.saved[name])
+                obj.copy_(self.saved[name]) if torch.is_tensor(obj) else obj.load_state_dict(self.saved[name])
         except (RuntimeError, ValueError) as e:  # another network, or a checkpoint of another version of the script
             flag = f"--resume {a.resume}" if self.saved is not None else f"--load-model {a.load_model}"
             raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
@@ -640,8 +637,9 @@ class Run(contextlib.AbstractContextManager):
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = load_env_state(self.envs, mine["envs"], obs)  # envs not saved (e.g. emulators): new episodes
-            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
+            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
+            anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
+            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{anew}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
         if self.rank == 0:
@@ -691,8 +689,8 @@ class Run(contextlib.AbstractContextManager):
         ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         c["global_step"] += steps
-        # explained variance is NaN by design when the returns are constant; every loss must be finite
-        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+        # every loss must be finite (explained variance is NaN for constant returns); another statistic NaN: no value
+        if not all(math.isfinite(v) for t, v in values.items() if t.startswith("losses/") and "explained" not in t):
             raise FloatingPointError(f"non-finite loss at iteration {c['iteration']} (env step {c['global_step']})")
         now = time.perf_counter()
         if self.args.compile and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
@@ -713,7 +711,7 @@ class Run(contextlib.AbstractContextManager):
         if len(returns):
             scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
         for tag, value in scalars.items() if self.rank == 0 else ():
-            if value is not None:
+            if value is not None and not math.isnan(value):
                 self.writer.add_scalar(tag, value, c["global_step"])
         if self.progress is not None:
             self.progress.update(steps)
@@ -748,14 +746,16 @@ class Run(contextlib.AbstractContextManager):
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": env_state(self.envs)}]
+        envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None  # EnvPool's emulators: none
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.rank == 0:
-            checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks,
-                "script": os.path.basename(__file__), "args": asdict(self.args), "counters": self.counters,
-                "recent_returns": list(self.recent_returns), "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+            checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
+                "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
+                "counters": self.counters, "recent_returns": list(self.recent_returns),
+                "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
             path = os.path.join(self.dir, "checkpoint.pt")
             with open(path + ".tmp", "wb") as f:
                 torch.save(checkpoint, f)

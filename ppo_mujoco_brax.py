@@ -217,6 +217,21 @@ class BraxVecEnv:
         self.state, self._length, self._return, self.key, out = carry
         return self.jax.tree.map(self.to_torch, out)  # (obs, reward, terminated, truncated, info)
 
+    def state_dict(self) -> dict:
+        """The physics states, episode counters and random key as CPU tensors (the uint32 key as int64, which torch
+        saves), for a checkpoint to go on exactly from."""
+        leaves = self.jax.tree.leaves((self.state, self._length, self._return, self.key))
+        return {"leaves": [torch.from_numpy(np.asarray(x).astype(np.int64 if x.dtype == np.uint32 else x.dtype))
+                           for x in leaves]}  # fmt: skip
+
+    def load_state_dict(self, saved: dict) -> torch.Tensor:
+        """The envs as `state_dict` saved them, each array on the device JAX has it on; returns their observation."""
+        leaves, tree = self.jax.tree.flatten((self.state, self._length, self._return, self.key))
+        put = lambda t, x: self.jax.device_put(t.numpy().astype(x.dtype), next(iter(x.devices())))
+        restored = self.jax.tree.unflatten(tree, map(put, saved["leaves"], leaves))
+        self.state, self._length, self._return, self.key = restored
+        return self.to_torch(self.state.obs)
+
 
 # Agent ----------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
@@ -411,10 +426,6 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
     `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
     clipping and plain Adam's update are written out, on the optimizer's own state (which the eager path shares)."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
-    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
-    if type(optimizer) is not torch.optim.Adam or not plain:
-        raise UsageError(f"--compile writes out plain Adam's update, not {type(optimizer).__name__}'s with these "
-                         "settings: leave out --compile (or compile only the loss)")  # fmt: skip
     params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
     for p in params.values():
         if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
@@ -440,12 +451,22 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
     return step
 
 
+def writes_out(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `functional_gradient_step` can take the compiled step: plain Adam in one param group (the update it
+    writes out) and no parameter in two places (torch.func.grad cannot differentiate a shared module compiled)."""
+    group, uses = optimizer.param_groups[0], len(list(agent.named_parameters(remove_duplicate=False)))
+    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
+    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters()))
+
+
 def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
     """`phases` (functions of tensors) and `step(batch, idx)`, one gradient step: as written, or with --compile each
     torch.compile'd into a single graph (fullgraph: a graph break is an error, not a silent slowdown)."""
     if not args.compile:
         return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
     compile = functools.partial(torch.compile, fullgraph=True)
+    if not writes_out(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's own step()
+        return *map(compile, phases), functools.partial(gradient_step, agent, optimizer, compile(loss_fn), args)
     step = compile(functional_gradient_step(agent, optimizer, loss_fn, args))
     group, device = optimizer.param_groups[0], next(agent.parameters()).device
     # the annealed learning rate goes in as a tensor: as a float it would be a constant, recompiled each iteration
@@ -488,7 +509,8 @@ def train(args: Args) -> Agent:
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
         prepare, step = hot_phases(agent, optimizer, ppo_loss, args, make_batch)
         rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
-        # with --resume: agent and normaliser, optimizer, reward scaler, RNGs and counters as the checkpoint left them
+        # with --resume: agent and normaliser, optimizer, reward scaler, envs, RNGs and counters as the checkpoint
+        # left them (your own state goes in by name too: a tensor changed in place, or an object with a state_dict())
         raw_obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0],
                             reward_scaler=scale_reward)  # fmt: skip
         for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
@@ -502,7 +524,7 @@ def train(args: Args) -> Agent:
     return agent
 
 
-# What train() and the run management call: brax, the normalisers, episodes, evaluation, videos, env state
+# What train() and the run management call: brax, the normalisers, episodes, evaluation, videos
 def import_brax():
     """jax and brax.envs, imported on first use (not on importing this script), after setting the variables read."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
@@ -560,8 +582,9 @@ class RewardScaler(nn.Module):
 
     def __init__(self, num_envs: int, gamma: float, device: torch.device):
         super().__init__()
-        self.gamma, self.return_rms = gamma, RunningMeanStd().to(device)
-        self.discounted_return, self.rollout_returns = torch.zeros(num_envs, device=device), []
+        self.gamma, self.return_rms, self.rollout_returns = gamma, RunningMeanStd().to(device), []
+        # a buffer, so a checkpoint keeps it: a resumed run goes on with the episodes it was in
+        self.register_buffer("discounted_return", torch.zeros(num_envs, device=device))
 
     def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         self.discounted_return = self.discounted_return * self.gamma + reward
@@ -625,17 +648,6 @@ def film(envs: BraxVecEnv, states: list, path: str) -> None:
             writer.append_data(frame)
 
 
-def env_state(envs: BraxVecEnv) -> dict:
-    """The random key the resets draw from (the physics states are not saved: a resumed run resets)."""
-    return {"key": torch.from_numpy(np.asarray(envs.key).astype(np.int64))}
-
-
-def load_env_state(envs: BraxVecEnv, saved: dict, obs: torch.Tensor) -> torch.Tensor:
-    """The resets' random key as saved, then a reset (the physics states are not saved); returns the observation."""
-    envs.key = envs.jax.device_put(saved["key"].numpy().astype(np.uint32), next(iter(envs.key.devices())))
-    return envs.reset()[0]
-
-
 def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
     """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
     for name, (ok, rule) in rules.items():
@@ -676,16 +688,22 @@ class Run(contextlib.AbstractContextManager):
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
-        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: more
-        objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
+        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: your
+        state, tensors or objects with a state_dict), --load-model the agent's weights. Returns `obs` or the envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         a = self.args
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
+        if odd := [k for k, v in self.stateful.items() if not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
+            raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
+        # the optimizer's settings (torch's load_state_dict takes the checkpoint's), but the rate: the flag's, annealed
+        for saved, group in zip(self.saved["optimizer"]["param_groups"] if self.saved else [], optimizer.param_groups):
+            for key in [key for key, value in saved.items() if key not in ("params", "lr") and group.get(key) != value]:
+                self.note(f"the checkpoint's optimizer {key} {saved[key]} replaces the code's {group.get(key)}")
         try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save_checkpoint` wrote
             if self.model is not None:
                 agent.load_state_dict(self.model.get("agent", self.model))
             for name, obj in self.stateful.items() if self.saved is not None else ():
-                obj.load_state_dict(self.saved[name])
+                obj.copy_(self.saved[name]) if torch.is_tensor(obj) else obj.load_state_dict(self.saved[name])
         except (RuntimeError, ValueError) as e:  # another network, or a checkpoint of another version of the script
             flag = f"--resume {a.resume}" if self.saved is not None else f"--load-model {a.load_model}"
             raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
@@ -699,8 +717,9 @@ class Run(contextlib.AbstractContextManager):
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = load_env_state(self.envs, mine["envs"], obs)  # envs not saved (e.g. emulators): new episodes
-            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
+            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
+            anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
+            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{anew}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
         if self.rank == 0:
@@ -750,8 +769,8 @@ class Run(contextlib.AbstractContextManager):
         ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         c["global_step"] += steps
-        # explained variance is NaN by design when the returns are constant; every loss must be finite
-        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+        # every loss must be finite (explained variance is NaN for constant returns); another statistic NaN: no value
+        if not all(math.isfinite(v) for t, v in values.items() if t.startswith("losses/") and "explained" not in t):
             raise FloatingPointError(f"non-finite loss at iteration {c['iteration']} (env step {c['global_step']})")
         now = time.perf_counter()
         if self.args.compile and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
@@ -772,7 +791,7 @@ class Run(contextlib.AbstractContextManager):
         if len(returns):
             scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
         for tag, value in scalars.items() if self.rank == 0 else ():
-            if value is not None:
+            if value is not None and not math.isnan(value):
                 self.writer.add_scalar(tag, value, c["global_step"])
         if self.progress is not None:
             self.progress.update(steps)
@@ -807,14 +826,16 @@ class Run(contextlib.AbstractContextManager):
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": env_state(self.envs)}]
+        envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None  # EnvPool's emulators: none
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.rank == 0:
-            checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks,
-                "script": os.path.basename(__file__), "args": asdict(self.args), "counters": self.counters,
-                "recent_returns": list(self.recent_returns), "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+            checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
+                "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
+                "counters": self.counters, "recent_returns": list(self.recent_returns),
+                "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
             path = os.path.join(self.dir, "checkpoint.pt")
             with open(path + ".tmp", "wb") as f:
                 torch.save(checkpoint, f)

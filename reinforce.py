@@ -133,7 +133,8 @@ class Args:
 # Environment ----------------------------------------------------------------------------------
 class CartPole:
     """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`. Its public attributes and
-    methods (reward_threshold None: no "solved" level) are the interface of every env the trainer takes (probes too)."""
+    methods (reward_threshold None: no "solved" level) are the interface of every env the trainer takes (probes too);
+    without state_dict() and load_state_dict() a resumed run's episodes start anew."""
 
     gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
     length, tau = 0.5, 0.02  # half the pole's length; seconds between state updates
@@ -201,6 +202,25 @@ class CartPole:
             self.state = self.state.index_put((idx,), self.draw_initial_states(idx.numel()))
         self.episode_return = self.episode_return.masked_fill(done, 0.0)
         self.episode_length = self.episode_length.masked_fill(done, 0)
+
+    def state_dict(self) -> dict:
+        """The states, episode counters and generator, on the CPU (under NCCL a CUDA tensor of rank r would be rebuilt
+        in rank 0 on cuda:r), for a checkpoint to go on exactly from."""
+        generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
+        seed = torch.randint(2**62, (), device=self.device, generator=self.generator)
+        self.generator.set_state(generator)
+        saved = {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length}
+        return {k: v.cpu() for k, v in saved.items()} | {"generator": generator, "seed": seed.cpu()}
+
+    def load_state_dict(self, saved: dict) -> torch.Tensor:
+        """The envs as `state_dict` saved them; returns their observation (here the state itself)."""
+        keys = ("state", "episode_return", "episode_length")
+        self.state, self.episode_return, self.episode_length = (saved[k].to(self.device) for k in keys)
+        if len(saved["generator"]) == len(self.generator.get_state()):
+            self.generator.set_state(saved["generator"])
+        else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
+            self.generator.manual_seed(int(saved["seed"]))
+        return self.state
 
 
 # Agent ----------------------------------------------------------------------------------------
@@ -384,10 +404,6 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
     `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
     clipping and plain Adam's update are written out, on the optimizer's own state (which the eager path shares)."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
-    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
-    if type(optimizer) is not torch.optim.Adam or not plain:
-        raise UsageError(f"--compile writes out plain Adam's update, not {type(optimizer).__name__}'s with these "
-                         "settings: leave out --compile (or compile only the loss)")  # fmt: skip
     params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
     for p in params.values():
         if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
@@ -413,12 +429,22 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
     return step
 
 
+def writes_out(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `functional_gradient_step` can take the compiled step: plain Adam in one param group (the update it
+    writes out) and no parameter in two places (torch.func.grad cannot differentiate a shared module compiled)."""
+    group, uses = optimizer.param_groups[0], len(list(agent.named_parameters(remove_duplicate=False)))
+    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
+    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters()))
+
+
 def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
     """`phases` (functions of tensors) and `step(batch, idx)`, one gradient step: as written, or with --compile each
     torch.compile'd into a single graph (fullgraph: a graph break is an error, not a silent slowdown)."""
     if not args.compile:
         return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
     compile = functools.partial(torch.compile, fullgraph=True)
+    if not writes_out(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's own step()
+        return *map(compile, phases), functools.partial(gradient_step, agent, optimizer, compile(loss_fn), args)
     step = compile(functional_gradient_step(agent, optimizer, loss_fn, args))
     group, device = optimizer.param_groups[0], next(agent.parameters()).device
     # the annealed learning rate goes in as a tensor: as a float it would be a constant, recompiled each iteration
@@ -442,7 +468,9 @@ def train(args: Args, envs=None) -> Agent:
         collect, step = hot_phases(agent, optimizer, reinforce_loss, args, collect_rollout)
         storage = Rollout.empty(args.num_steps, args.num_envs, envs.obs_dim, device)
         total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
-        run.start(agent, envs, optimizer, total_steps)  # with --resume: all as the checkpoint left it
+        # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes in
+        # by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a state_dict()
+        run.start(agent, envs, optimizer, total_steps)
         while run.counters["global_step"] < total_steps:
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
@@ -459,7 +487,7 @@ def train(args: Args, envs=None) -> Agent:
     return agent
 
 
-# What train() and the run management call: env variants, episodes, evaluation, videos, env state
+# What train() and the run management call: env variants, episodes, evaluation, videos
 class EasyCart(CartPole):
     """Shaped reward in [0, 1]: half for an upright pole, half for a centred cart."""
 
@@ -572,31 +600,6 @@ def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
     return path
 
 
-def env_state(envs) -> Optional[dict]:
-    """The CartPoles' states, episode counters and generator, on the CPU (under NCCL a CUDA tensor of rank r would be
-    rebuilt in rank 0 on cuda:r), for a checkpoint to go on exactly from; None for other envs (the tests' probes)."""
-    if not isinstance(envs, CartPole):
-        return None
-    generator = envs.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
-    seed = torch.randint(2**62, (), device=envs.device, generator=envs.generator)
-    envs.generator.set_state(generator)
-    saved = {"state": envs.state, "episode_return": envs.episode_return, "episode_length": envs.episode_length}
-    return {k: v.cpu() for k, v in saved.items()} | {"generator": generator, "seed": seed.cpu()}
-
-
-def load_env_state(envs, saved: Optional[dict], obs: torch.Tensor) -> torch.Tensor:
-    """The envs as `env_state` saved them, returning their observation; `obs` (new episodes) when none were saved."""
-    if saved is None:
-        return obs
-    keys = ("state", "episode_return", "episode_length")
-    envs.state, envs.episode_return, envs.episode_length = (saved[k].to(envs.device) for k in keys)
-    if len(saved["generator"]) == len(envs.generator.get_state()):
-        envs.generator.set_state(saved["generator"])
-    else:  # a generator's state is device-specific (CPU: 5,056 bytes, CUDA: 16): go on from the saved seed
-        envs.generator.manual_seed(int(saved["seed"]))
-    return envs.state
-
-
 def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
     """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
     for name, (ok, rule) in rules.items():
@@ -637,16 +640,22 @@ class Run(contextlib.AbstractContextManager):
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
-        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: more
-        objects with a state_dict), --load-model the agent's weights. Returns `obs`, or the restored envs'."""
+        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: your
+        state, tensors or objects with a state_dict), --load-model the agent's weights. Returns `obs` or the envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         a = self.args
         self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
+        if odd := [k for k, v in self.stateful.items() if not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
+            raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
+        # the optimizer's settings (torch's load_state_dict takes the checkpoint's), but the rate: the flag's, annealed
+        for saved, group in zip(self.saved["optimizer"]["param_groups"] if self.saved else [], optimizer.param_groups):
+            for key in [key for key, value in saved.items() if key not in ("params", "lr") and group.get(key) != value]:
+                self.note(f"the checkpoint's optimizer {key} {saved[key]} replaces the code's {group.get(key)}")
         try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save_checkpoint` wrote
             if self.model is not None:
                 agent.load_state_dict(self.model.get("agent", self.model))
             for name, obj in self.stateful.items() if self.saved is not None else ():
-                obj.load_state_dict(self.saved[name])
+                obj.copy_(self.saved[name]) if torch.is_tensor(obj) else obj.load_state_dict(self.saved[name])
         except (RuntimeError, ValueError) as e:  # another network, or a checkpoint of another version of the script
             flag = f"--resume {a.resume}" if self.saved is not None else f"--load-model {a.load_model}"
             raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
@@ -660,8 +669,9 @@ class Run(contextlib.AbstractContextManager):
             torch.set_rng_state(mine["rng"])
             if mine["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = load_env_state(self.envs, mine["envs"], obs)  # envs not saved (e.g. emulators): new episodes
-            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}")
+            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
+            anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
+            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{anew}")
         for tensor in agent.state_dict().values() if self.world_size > 1 else ():
             dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
         if self.rank == 0:
@@ -711,8 +721,8 @@ class Run(contextlib.AbstractContextManager):
         ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         c["global_step"] += steps
-        # explained variance is NaN by design when the returns are constant; every loss must be finite
-        if not all(math.isfinite(v) for tag, v in values.items() if tag != "losses/explained_variance"):
+        # every loss must be finite (explained variance is NaN for constant returns); another statistic NaN: no value
+        if not all(math.isfinite(v) for t, v in values.items() if t.startswith("losses/") and "explained" not in t):
             raise FloatingPointError(f"non-finite loss at iteration {c['iteration']} (env step {c['global_step']})")
         now = time.perf_counter()
         if self.args.compile and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
@@ -733,7 +743,7 @@ class Run(contextlib.AbstractContextManager):
         if len(returns):
             scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
         for tag, value in scalars.items() if self.rank == 0 else ():
-            if value is not None:
+            if value is not None and not math.isnan(value):
                 self.writer.add_scalar(tag, value, c["global_step"])
         if self.progress is not None:
             self.progress.update(steps)
@@ -768,14 +778,16 @@ class Run(contextlib.AbstractContextManager):
     def save_checkpoint(self) -> None:
         """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": env_state(self.envs)}]
+        envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None  # EnvPool's emulators: none
+        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.rank == 0:
-            checkpoint = {name: obj.state_dict() for name, obj in self.stateful.items()} | {"ranks": ranks,
-                "script": os.path.basename(__file__), "args": asdict(self.args), "counters": self.counters,
-                "recent_returns": list(self.recent_returns), "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+            checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
+                "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
+                "counters": self.counters, "recent_returns": list(self.recent_returns),
+                "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
             path = os.path.join(self.dir, "checkpoint.pt")
             with open(path + ".tmp", "wb") as f:
                 torch.save(checkpoint, f)

@@ -1,9 +1,12 @@
 import contextlib
+import difflib
 import glob
 import importlib
 import io
 import json
 import os
+import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +19,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPTS = ["ppo_cartpole_gpu", "vpg", "reinforce"]
-"""The scripts that share the tensor CartPole."""
+"""The scripts that share the tensor CartPole (with --script COPY: the copy alone)."""
+COPY: dict[str, str] = {}
+"""With `--script COPY`: {the copy's module name: the script it came from}."""
+PATHS: dict[str, str] = {}
+"""With `--script COPY`: {the copy's module name: its file}."""
 ALL_SCRIPTS = SCRIPTS + ["ppo_atari_envpool", "ppo_mujoco_brax"]
 """All five: they share the `Run` class, the CLI skeleton and the summary.json schema."""
 SUMMARY_KEYS = {
@@ -28,6 +35,51 @@ SUMMARY_KEYS = {
 
 # Two threads at most: CI machines have two cores, and small ops get slower with more.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_configure(config):
+    """--script COPY: the CartPole script COPY is closest to (by its lines) is the one whose behavioural tests run,
+    with COPY in its place; the others' tests and the housekeeping ones (identity, budgets) are deselected."""
+    if not (path := config.getoption("--script")):
+        return
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise pytest.UsageError(f"--script {path}: no such file")
+    lines = lambda file: pathlib.Path(file).read_text().splitlines()
+    like = lambda name: difflib.SequenceMatcher(None, lines(path), lines(os.path.join(ROOT, name + ".py"))).ratio()
+    source = max(SCRIPTS, key=like)
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name in ALL_SCRIPTS:
+        raise pytest.UsageError(f"--script {path}: give the copy a name of its own (not {name}.py)")
+    COPY[name], PATHS[name], SCRIPTS[:] = source, path, [name]
+    sys.path.insert(0, os.path.dirname(path))
+
+
+def pytest_report_header(config):
+    return [f"testing {PATHS[name]} as a copy of {source}.py" for name, source in COPY.items()]
+
+
+def pytest_collection_modifyitems(config, items):
+    """--script: only the tests marked `behaviour`."""
+    if COPY:
+        keep = [item for item in items if item.get_closest_marker("behaviour")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+
+def origin(name: str) -> str:
+    """The script `name` is (a copy under --script: the one it came from)."""
+    return COPY.get(name, name)
+
+
+def retarget(cases: list) -> list:
+    """Test cases (script names, or tuples that start with one) as given; with --script COPY, those of the script COPY
+    came from, with COPY in its place."""
+    if not COPY:
+        return cases
+    ((copy, source),) = COPY.items()
+    script = lambda case: case[0] if isinstance(case, tuple) else case
+    return [(copy, *case[1:]) if isinstance(case, tuple) else copy for case in cases if script(case) == source]
 
 
 def import_script(name: str):
@@ -51,7 +103,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=None) -> subprocess.CompletedProcess:
     """Run `python <script>.py <flags>` in `cwd`; with `hide`, as if that package were not installed."""
-    path = os.path.join(ROOT, script + ".py")
+    path = PATHS.get(script, os.path.join(ROOT, script + ".py"))
     cmd = [sys.executable, path, *flags]
     if hide:
         cmd = [sys.executable, "-c", f"import runpy, sys; sys.modules[{hide!r}] = None; sys.argv = {[path, *flags]!r}; "
@@ -68,7 +120,7 @@ def call_main(script: str, *flags, cwd) -> subprocess.CompletedProcess:
     module = import_script(script)
     out, err = io.StringIO(), io.StringIO()
     argv, here, threads = sys.argv, os.getcwd(), torch.get_num_threads()
-    command, code = [os.path.join(ROOT, script + ".py"), *flags], 0
+    command, code = [PATHS.get(script, os.path.join(ROOT, script + ".py")), *flags], 0
     sys.argv = command
     os.chdir(cwd)
     try:
@@ -128,3 +180,42 @@ def interrupt_after_an_iteration(command: list, cwd, sig: int, env=None, timeout
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar the run folder's event files hold, SPS aside (a clock, not a result), by tag, in step order:
+    the files are read in name order, and two writers of one process in the same second are told apart by a
+    counter that sorts as text (".10" before ".9"), so a resumed run's events can come first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]
+            if tag != "charts/SPS"}  # fmt: skip
+
+
+def run_dir(tmp, exp_name: str) -> str:
+    """The one run folder under `tmp`/runs of the experiment `exp_name`."""
+    (path,) = glob.glob(os.path.join(str(tmp), "runs", f"*__{exp_name}__*"))
+    return path
+
+
+def small_args(module, **flags):
+    """Six iterations of 32 envs on the CPU, three evaluation episodes (REINFORCE: rollouts until all episodes end)."""
+    steps = 500 if origin(module.__name__) == "reinforce" else 16
+    total = 16 * 32 * 6 if origin(module.__name__) != "reinforce" else 12_000
+    flags = dict(num_envs=32, num_steps=steps, total_timesteps=total, target_return=None, progress_bar=False,
+                 eval_episodes=3, device="cpu") | flags  # fmt: skip
+    return module.Args(**flags)
+
+
+def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:
+    """Send this process SIGTERM while iteration `iteration` is being logged (Run then stops after it)."""
+    real_log = module.Run.log
+
+    def log(self, *args, **kwargs):
+        if self.counters["iteration"] == iteration - 1 and not self.args.resume:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_log(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.Run, "log", log)

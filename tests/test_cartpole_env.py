@@ -127,17 +127,17 @@ def checkpointed(state: dict) -> dict:
 
 
 def test_a_resumed_env_goes_on_with_the_same_random_stream(P):
-    """env_state leaves the generator's stream untouched, and an env loaded from it (on the same kind of device,
+    """state_dict() leaves the generator's stream untouched, and an env loaded from it (on the same kind of device,
     also from a checkpoint older than its "seed") steps on exactly as the one that was saved."""
     env, twin, push = P.CartPole(8, "cpu", seed=0), P.CartPole(8, "cpu", seed=0), torch.ones(8, dtype=torch.long)
     for _ in range(15):
         env.step(push)
         twin.step(push)
-    saved = checkpointed(P.env_state(env))
+    saved = checkpointed(env.state_dict())
     old = {k: v for k, v in saved.items() if k != "seed"}
     resumed, resumed_old = P.CartPole(8, "cpu", seed=1), P.CartPole(8, "cpu", seed=2)
-    assert torch.equal(P.load_env_state(resumed, saved, None), env.state)
-    assert torch.equal(P.load_env_state(resumed_old, old, None), env.state)
+    assert torch.equal(resumed.load_state_dict(saved), env.state)
+    assert torch.equal(resumed_old.load_state_dict(old), env.state)
     restarted = torch.zeros(8, dtype=torch.bool)
     for _ in range(40):  # pushed one way, the poles fall and restart from states the generator draws
         steps = [e.step(push) for e in (env, twin, resumed, resumed_old)]
@@ -150,11 +150,11 @@ def test_a_checkpoint_of_the_other_kind_of_device_reseeds_from_its_seed(P):
     """A generator's state is device-specific (a CPU one's 5,056 bytes, a CUDA one's 16): an env resumed on the other
     kind of device cannot set it, and goes on from the seed drawn when it was saved. Here on the CPU only: a
     checkpoint whose generator state is 16 bytes, as a CUDA generator's is."""
-    saved = checkpointed(P.env_state(P.CartPole(8, "cpu", seed=0)))
+    saved = checkpointed(P.CartPole(8, "cpu", seed=0).state_dict())
     saved["generator"] = torch.zeros(16, dtype=torch.uint8)
     a, b, push = P.CartPole(8, "cpu", seed=1), P.CartPole(8, "cpu", seed=2), torch.ones(8, dtype=torch.long)
-    assert torch.equal(P.load_env_state(a, saved, None), saved["state"])
-    assert torch.equal(P.load_env_state(b, saved, None), a.state)
+    assert torch.equal(a.load_state_dict(saved), saved["state"])
+    assert torch.equal(b.load_state_dict(saved), a.state)
     assert torch.equal(a.generator.get_state(), torch.Generator().manual_seed(int(saved["seed"])).get_state())
     for _ in range(40):
         assert torch.equal(a.step(push)[0], b.step(push)[0])

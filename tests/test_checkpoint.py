@@ -12,7 +12,6 @@ from dataclasses import replace
 import imageio_ffmpeg
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (
     ROOT,
@@ -22,44 +21,15 @@ from conftest import (
     import_script,
     interrupt_after_an_iteration,
     read_json,
+    run_dir,
     run_script,
+    scalars,
+    small_args,
+    stop_with_sigterm_at,
 )
 
 
-def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar the run folder's event files hold, SPS aside (a clock, not a result), by tag, in step order:
-    the files are read in name order, and two writers of one process in the same second are told apart by a
-    counter that sorts as text (".10" before ".9"), so a resumed run's events can come first."""
-    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]
-            if tag != "charts/SPS"}  # fmt: skip
-
-
-def run_dir(tmp, exp_name: str) -> str:
-    (path,) = glob.glob(os.path.join(str(tmp), "runs", f"*__{exp_name}__*"))
-    return path
-
-
-def small_args(module, **flags):
-    steps = 500 if module.__name__ == "reinforce" else 16  # REINFORCE's rollouts run until every episode ends
-    total = 16 * 32 * 6 if module.__name__ != "reinforce" else 12_000
-    return module.Args(num_envs=32, num_steps=steps, total_timesteps=total, target_return=None, progress_bar=False,
-                       eval_episodes=3, device="cpu", **flags)  # fmt: skip
-
-
-def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:
-    """Send this process SIGTERM while iteration `iteration` is being logged (Run then stops after it)."""
-    real_log = module.Run.log
-
-    def log(self, *args, **kwargs):
-        if self.counters["iteration"] == iteration - 1 and not self.args.resume:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_log(self, *args, **kwargs)
-
-    monkeypatch.setattr(module.Run, "log", log)
-
-
+@pytest.mark.behaviour
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
     """Stopped by SIGTERM after 3 iterations and resumed, a run logs the same scalars at the same steps and ends
@@ -253,7 +223,25 @@ def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tm
     assert_same_state(saved["agent"], restored["agent"])
     assert_same_state(saved["optimizer"], restored["optimizer"])
     assert_same_state(saved["reward_scaler"], restored["reward_scaler"])
-    assert saved["ranks"][0]["envs"]["key"].shape == (2,)  # the resets' random key (the physics restart)
+    assert len(saved["ranks"][0]["envs"]["leaves"]) > 4  # the physics states, episode counters and random key
+
+
+def test_a_stopped_brax_run_resumed_equals_one_run(in_tmp, monkeypatch):
+    """Brax's envs save their physics states (every array of the state pytree), and the reward scaler its running
+    returns: a run stopped after 3 iterations and resumed ends with one run's weights, bit for bit. Before, the
+    resumed run reset every env and the scaler's returns, and the weights differed (by up to 6e-4 here)."""
+    B = import_script("ppo_mujoco_brax")
+    args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
+                  total_timesteps=16 * 10 * 6, target_return=None, progress_bar=False, eval_episodes=0,
+                  device="cpu")  # fmt: skip
+    whole = B.train(replace(args, exp_name="whole"))
+    stop_with_sigterm_at(B, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        B.train(replace(args, exp_name="cut"))
+    resumed = B.train(replace(args, exp_name="cut", resume=run_dir(in_tmp, "cut")))
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    assert scalars(run_dir(in_tmp, "cut")) == scalars(run_dir(in_tmp, "whole"))
 
 
 def test_resume_on_another_number_of_torchrun_ranks_is_one_line(tmp_path, monkeypatch):
@@ -284,19 +272,19 @@ def test_a_resume_that_fails_leaves_the_interrupted_runs_outputs(in_tmp, monkeyp
     folder = run_dir(in_tmp, args.exp_name)
     before = {f: pathlib.Path(folder, f).read_bytes() for f in ("summary.json", "checkpoint.pt")}
 
-    def broken(envs, saved, obs):
+    def broken(envs, saved):
         raise RuntimeError("this env cannot take that state")
 
-    monkeypatch.setattr(P, "load_env_state", broken)
+    monkeypatch.setattr(P.CartPole, "load_state_dict", broken)
     with pytest.raises(RuntimeError, match="this env cannot take that state"):
         P.train(replace(args, resume=folder))
     assert {f: pathlib.Path(folder, f).read_bytes() for f in before} == before
 
 
 def test_the_envs_state_is_saved_on_the_cpu(in_tmp):
-    """`env_state` moves the envs' tensors to the CPU before they are gathered and saved (under NCCL a CUDA tensor of
-    rank r would be rebuilt on cuda:r in rank 0). A tensor subclass stands in for a CUDA tensor where no GPU is lent;
-    and the checkpoint holds what `env_state` gave."""
+    """`CartPole.state_dict` moves the envs' tensors to the CPU before they are gathered and saved (under NCCL a CUDA
+    tensor of rank r would be rebuilt on cuda:r in rank 0). A tensor subclass stands in for a CUDA tensor where no GPU
+    is lent; and the checkpoint holds what `state_dict` gave."""
     P = import_script("ppo_cartpole_gpu")
 
     class OnTheGPU(torch.Tensor):
@@ -305,7 +293,7 @@ def test_the_envs_state_is_saved_on_the_cpu(in_tmp):
 
     envs = P.CartPole(8, "cpu", seed=0)
     envs.state, envs.episode_return = envs.state.as_subclass(OnTheGPU), envs.episode_return.as_subclass(OnTheGPU)
-    assert all(type(value) is torch.Tensor for value in P.env_state(envs).values())
+    assert all(type(value) is torch.Tensor for value in envs.state_dict().values())
     P.train(replace(small_args(P), eval_episodes=0))
     saved = torch.load(os.path.join(run_dir(in_tmp, "ppo_cartpole_gpu"), "checkpoint.pt"), weights_only=True)
     assert sorted(saved["ranks"][0]["envs"]) == ["episode_length", "episode_return", "generator", "seed", "state"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ppo_cartpole_gpu as P
-from conftest import read_json
+from conftest import origin, read_json, retarget
 
 # env steps within which the defaults must reach a 100-episode mean of 475, for seeds 1-3 each: about 3x what
 # `benchmarks/cartpole.py --seeds 1-10` measured (2-core AMD EPYC, one thread: PPO 10/10 seeds, <= 0.12M; VPG 10/10,
@@ -30,12 +30,13 @@ def solve(module, in_tmp, **overrides) -> dict:
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("script, seed", [(script, seed) for script in BUDGET for seed in (1, 2, 3)])
+@pytest.mark.behaviour
+@pytest.mark.parametrize("script, seed", retarget([(script, seed) for script in BUDGET for seed in (1, 2, 3)]))
 def test_defaults_solve_cartpole(script, seed, in_tmp):
-    budget = BUDGET[script]
+    budget = BUDGET[origin(script)]
     summary = solve(importlib.import_module(script), in_tmp, seed=seed)
     assert summary["solved_at_step"] is not None and summary["solved_at_step"] <= budget, summary
-    if script == "ppo_cartpole_gpu":
+    if origin(script) == "ppo_cartpole_gpu":
         # PPO's greedy policy balances too; VPG's and REINFORCE's argmax policies can drift off the
         # track while their sampling policies balance (seen here: VPG seed 1, greedy 339)
         assert summary["eval_mean_return"] >= 475

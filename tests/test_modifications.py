@@ -1,19 +1,295 @@
-"""Copy it, change it: changes a user makes in a copy of a script, made here in code, and checked in the modes they
-meet (docs/modifying.md lists the modification points)."""
+"""Copy it, change it: the changes users make in a copy of a CartPole script, made here in code, each checked in the
+modes it meets: --compile against eager, stopped and resumed against one run straight through (docs/modifying.md).
+Under `pytest --script COPY` the same changes are made to the copy."""
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
+import torch._dynamo
+import torch.nn as nn
 
-from conftest import SCRIPTS, import_script
+from conftest import (
+    COPY,
+    ROOT,
+    SCRIPTS,
+    assert_close,
+    import_script,
+    origin,
+    read_json,
+    run_dir,
+    scalars,
+    small_args,
+    stop_with_sigterm_at,
+)
+
+LOSS = {"ppo_cartpole_gpu": "ppo_loss", "vpg": "vpg_loss", "reinforce": "reinforce_loss"}
+"""The name of each script's loss function."""
 
 
-def small_args(module, **flags):
-    """A few iterations on the CPU: REINFORCE's rollouts run until every env has ended an episode (500 steps)."""
-    steps, total = (500, 12_000) if module.__name__ == "reinforce" else (16, 32 * 16 * 4)
-    return module.Args(num_envs=32, num_steps=steps, total_timesteps=total, target_return=None, eval_episodes=0,
-                       progress_bar=False, device="cpu", **flags)  # fmt: skip
+def three_ways(module, monkeypatch, tmp, envs=None):
+    """The (changed) script trained for six iterations eagerly, with --compile, and stopped by SIGTERM after the third
+    then resumed; returns the three agents. `envs`: an env class to train on instead of the CartPole. Compiled for PPO
+    (and for a copy under --script) only, to spare CI's minutes: VPG and REINFORCE compile the same `hot_phases` and
+    `gradient_step` (test_run.py checks the copies match), and test_compile.py compiles their losses."""
+    args = small_args(module, eval_episodes=0)
+    make = lambda: None if envs is None else envs(args.num_envs, "cpu", args.seed)
+    eager = module.train(replace(args, exp_name="eager"), make())
+    fast = None
+    if origin(module.__name__) == "ppo_cartpole_gpu" or module.__name__ in COPY:
+        torch._dynamo.reset()  # each change compiles afresh: no test meets another's graphs or recompilation limit
+        fast = module.train(replace(args, exp_name="compiled", compile=True), make())
+    stop_with_sigterm_at(module, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        module.train(replace(args, exp_name="cut"), make())
+    resumed = module.train(replace(args, exp_name="cut", resume=run_dir(tmp, "cut")), make())
+    return eager, fast, resumed
 
 
+def assert_same_training(eager, compiled, resumed) -> None:
+    """Resumed: the same weights bit for bit; compiled: within float tolerance (see test_compile.py)."""
+    for key, value in eager.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), f"resumed: {key}"
+        if compiled is not None:
+            assert_close(compiled.state_dict()[key], value, f"compiled: {key}", atol=2e-4, rtol=1e-3)
+
+
+# A shared module ------------------------------------------------------------------------------
+def shared_trunk(module):
+    """The script's Agent with a module in two places: the actor's first layer is the critic's (REINFORCE, which has
+    no critic: its actor's hidden layer applied twice)."""
+
+    class SharedTrunk(module.Agent):
+        def __init__(self, *args):
+            super().__init__(*args)
+            if hasattr(self, "critic"):
+                self.actor[0] = self.critic[0]
+            else:
+                self.actor = nn.Sequential(*self.actor[:4], *self.actor[2:])
+
+    return SharedTrunk
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_shared_module_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """Before, --compile died at iteration 1 (inductor: "Cannot access storage of TensorWrapper", from torch.func.grad
+    over a parameter in two places); now the compiled loss's forward and backward feed the optimizer's own step."""
+    module = import_script(name)
+    monkeypatch.setattr(module, "Agent", shared_trunk(module))
+    eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
+    assert len(list(eager.named_parameters(remove_duplicate=False))) > len(list(eager.parameters()))
+    assert_same_training(eager, compiled, resumed)
+
+
+# Another optimizer ----------------------------------------------------------------------------
+def adamw_two_groups(module, monkeypatch, weight_decay: float = 1e-2) -> None:
+    """train()'s `torch.optim.Adam(agent.parameters(), lr=..., ...)` made AdamW with two param groups: weight decay on
+    the weight matrices, none on the biases."""
+    adamw = torch.optim.AdamW
+
+    def make(params, lr, **kwargs):
+        params = list(params)
+        groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]  # fmt: skip
+        return adamw(groups, lr=lr, **kwargs)
+
+    monkeypatch.setattr(module.torch.optim, "Adam", make)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_adamw_with_two_param_groups_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """Before, --compile refused any optimizer but plain Adam (and offered a "compile only the loss" mode that did not
+    exist); now it compiles the loss's forward and backward and calls the optimizer's own step(): the same numbers."""
+    module = import_script(name)
+    adamw_two_groups(module, monkeypatch)
+    assert_same_training(*three_ways(module, monkeypatch, in_tmp))
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_optimizer_settings_a_checkpoint_replaces_are_noted(name, in_tmp, monkeypatch, capsys):
+    """The code's weight decay changed between the stop and --resume: the checkpoint's (its optimizer's state_dict)
+    wins, as torch's load_state_dict has it, and a note says so. Before, silently."""
+    module = import_script(name)
+    adamw_two_groups(module, monkeypatch, weight_decay=1e-2)
+    args = small_args(module, eval_episodes=0)
+    stop_with_sigterm_at(module, monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        module.train(args)
+    adamw_two_groups(module, monkeypatch, weight_decay=1e-3)
+    capsys.readouterr()
+    module.train(replace(args, resume=run_dir(in_tmp, args.exp_name)))
+    err = capsys.readouterr().err
+    assert "note: the checkpoint's optimizer weight_decay 0.01 replaces the code's 0.001" in err, err
+    assert err.count("replaces the code's") == 1  # the biases' group kept its 0.0
+
+
+# Another env ----------------------------------------------------------------------------------
+class Pendulum:
+    """A pole on a motor, discrete torque (-1, 0, +1), with CartPole's interface: the state (angle, speed) is not the
+    observation (cos, sin, speed / 8), so a resume must return the env's observation, not its state. Rewarded
+    cos(angle) (upright: 1); an episode fails when the pole spins faster than 8 rad/s, and is cut at 50 steps."""
+
+    obs_dim, num_actions, max_episode_steps, reward_threshold = 3, 3, 50, None
+
+    def __init__(self, num_envs: int, device="cpu", seed: int = 0):
+        self.num_envs, self.device = num_envs, torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.state = self.draw_initial_states(num_envs)
+        self.episode_return = torch.zeros(num_envs, device=self.device)
+        self.episode_length = torch.zeros(num_envs, dtype=torch.int32, device=self.device)
+
+    def draw_initial_states(self, *shape: int) -> torch.Tensor:
+        """(*shape, 2): angles uniform in [-π, π), speeds in [-1, 1)."""
+        u = torch.rand(*shape, 2, device=self.device, generator=self.generator) * 2 - 1
+        return u * torch.tensor([math.pi, 1.0], device=self.device)
+
+    def observe(self, state: torch.Tensor) -> torch.Tensor:
+        angle, speed = state.unbind(-1)
+        return torch.stack((angle.cos(), angle.sin(), speed / 8), -1)
+
+    def reset(self):
+        self.state = self.draw_initial_states(self.num_envs)
+        self.episode_return, self.episode_length = self.episode_return * 0, self.episode_length * 0
+        return self.observe(self.state), {}
+
+    def step(self, action: torch.Tensor, initial_states=None):
+        angle, speed = self.state.unbind(-1)
+        speed = speed + 0.05 * (4.0 * (action - 1) - 9.8 * angle.sin())
+        self.state = torch.stack((angle + 0.05 * speed, speed), -1)
+        reward = self.state[:, 0].cos()
+        self.episode_return, self.episode_length = self.episode_return + reward, self.episode_length + 1
+        terminated, truncated = speed.abs() > 8, self.episode_length >= self.max_episode_steps
+        info = {"final_obs": self.observe(self.state), "episode_return": self.episode_return,
+                "episode_length": self.episode_length}  # fmt: skip
+        done = terminated | truncated
+        fresh = self.draw_initial_states(self.num_envs) if initial_states is None else initial_states
+        self.state = torch.where(done.unsqueeze(-1), fresh, self.state)
+        self.episode_return = self.episode_return.masked_fill(done, 0.0)
+        self.episode_length = self.episode_length.masked_fill(done, 0)
+        return self.observe(self.state), reward, terminated, truncated, info
+
+    def state_dict(self) -> dict:
+        return {"state": self.state, "episode_return": self.episode_return, "episode_length": self.episode_length,
+                "generator": self.generator.get_state()}  # fmt: skip
+
+    def load_state_dict(self, saved: dict) -> torch.Tensor:
+        keys = ("state", "episode_return", "episode_length")
+        self.state, self.episode_return, self.episode_length = (saved[key] for key in keys)
+        self.generator.set_state(saved["generator"])
+        return self.observe(self.state)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_env_with_its_own_state_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """Before, only a CartPole's state was checkpointed: a resumed run of another env restarted its episodes, and
+    the weights differed from one run's, without a word. Now the env saves itself (state_dict / load_state_dict)."""
+    module = import_script(name)
+    eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp, envs=Pendulum)
+    assert eager.actor[0].in_features == Pendulum.obs_dim
+    assert_same_training(eager, compiled, resumed)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_env_that_cannot_save_its_state_is_noted_at_resume(name, in_tmp, monkeypatch, capsys):
+    """An env without state_dict() (as EnvPool's emulators): the resumed run starts new episodes, and says so."""
+    module = import_script(name)
+    forgetful = type("Forgetful", (), {k: v for k, v in vars(Pendulum).items() if "state_dict" not in k})
+    args = small_args(module, eval_episodes=0)
+    stop_with_sigterm_at(module, monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        module.train(args, forgetful(args.num_envs, "cpu", args.seed))
+    capsys.readouterr()
+    module.train(replace(args, resume=run_dir(in_tmp, args.exp_name)), forgetful(args.num_envs, "cpu", args.seed))
+    assert "the envs have no state_dict(), so their episodes start anew" in capsys.readouterr().err
+
+
+# A metric -------------------------------------------------------------------------------------
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_statistic_may_be_nan_only_the_losses_must_be_finite(name, in_tmp, monkeypatch):
+    """A statistic train() adds to `stats` reaches TensorBoard under its tag; NaN means "no value this iteration" (a
+    ratio over the episodes that ended, when none did). Before, any NaN stopped the run as a "non-finite loss"."""
+    module = import_script(name)
+    real_log = module.Run.log
+
+    def log(self, env_steps, stats, rollout):  # as train() adding to `stats` before it calls run.log
+        even = self.counters["iteration"] % 2 == 1  # the iteration being logged is the one after the counter's
+        return real_log(self, env_steps, stats | {"charts/mine": torch.tensor(math.nan if even else 7.0)}, rollout)
+
+    monkeypatch.setattr(module.Run, "log", log)
+    module.train(small_args(module, eval_episodes=0))
+    logged = scalars(run_dir(in_tmp, module.Args.exp_name))
+    assert [value for _, value in logged["charts/mine"]] == [7.0] * 3
+    assert [step for step, _ in logged["charts/mine"]] == [step for step, _ in logged["losses/entropy"]][::2]
+
+    def nan_loss(self, env_steps, stats, rollout):
+        return real_log(self, env_steps, stats | {"losses/mine": torch.tensor(math.nan)}, rollout)
+
+    monkeypatch.setattr(module.Run, "log", nan_loss)
+    with pytest.raises(FloatingPointError, match="non-finite loss at iteration 1"):
+        module.train(small_args(module, eval_episodes=0))
+
+
+# Extra state ----------------------------------------------------------------------------------
+def adaptive_penalty(module, monkeypatch) -> dict:
+    """A coefficient β (as in KL-penalty PPO, Schulman et al. 2017, sec. 4) that the loss uses and train() adapts
+    after each iteration, in place, given to `run.start(..., beta=beta)` to be checkpointed; returns {"beta": β}."""
+    loss_name, real_start, real_log, box = LOSS[origin(module.__name__)], module.Run.start, module.Run.log, {}
+    real_loss = getattr(module, loss_name)
+
+    def loss_fn(agent, args, batch):
+        loss, stats = real_loss(agent, args, batch)
+        return loss + 1e-3 * box["beta"] * sum(p.square().sum() for p in agent.parameters()), stats
+
+    def start(self, *args, **kwargs):
+        box["beta"] = torch.tensor(1.0)
+        return real_start(self, *args, **kwargs, beta=box["beta"])
+
+    def log(self, *args, **kwargs):
+        box["beta"].mul_(1.5)
+        return real_log(self, *args, **kwargs)
+
+    monkeypatch.setattr(module, loss_name, loss_fn)
+    monkeypatch.setattr(module.Run, "start", start)
+    monkeypatch.setattr(module.Run, "log", log)
+    return box
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_state_given_to_run_start_is_kept_across_a_resume(name, in_tmp, monkeypatch):
+    """Given by name to run.start, a tensor is checkpointed and restored in place. Before, only objects with a
+    state_dict() could be given (a tensor crashed the first checkpoint), and what was not given restarted silently."""
+    module = import_script(name)
+    box = adaptive_penalty(module, monkeypatch)
+    eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
+    iterations = read_json(os.path.join(run_dir(in_tmp, "cut"), "summary.json"))["iterations"]
+    assert box["beta"].item() == 1.5**iterations  # the resumed run's β went on from the checkpoint's 1.5 ** 3
+    assert_same_training(eager, compiled, resumed)
+
+
+def test_state_that_cannot_be_checkpointed_is_refused_at_start(in_tmp, monkeypatch):
+    """A float has no state_dict() and cannot be restored in place: one line at start, not a crash at the first
+    checkpoint."""
+    module = import_script("ppo_cartpole_gpu")
+    real_start = module.Run.start
+    monkeypatch.setattr(module.Run, "start", lambda self, *args, **kwargs: real_start(self, *args, **kwargs, beta=1.0))
+    with pytest.raises(module.UsageError, match=r"run.start\(beta=...\) must be a tensor or have a state_dict\(\)"):
+        module.train(small_args(module))
+    assert not os.path.exists("runs")
+
+
+# The learning rate ----------------------------------------------------------------------------
+@pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_param_group_is_annealed_from_its_own_first_rate(name, in_tmp, monkeypatch):
     """Two param groups (the first layer at a tenth of the rate, say): both anneal, each from its own rate. Before,
@@ -26,7 +302,29 @@ def test_every_param_group_is_annealed_from_its_own_first_rate(name, in_tmp, mon
         return made[-1]
 
     monkeypatch.setattr(module.torch.optim, "Adam", two_groups)
-    args = small_args(module)
+    args = small_args(module, eval_episodes=0)
     module.train(args)
     first, rest = (group["lr"] for group in made[0].param_groups)
     assert 0 < rest < args.learning_rate and first == pytest.approx(rest / 10, rel=1e-12)
+
+
+# The tests, on a copy -------------------------------------------------------------------------
+def test_pytest_script_runs_the_behavioural_tests_on_a_copy(tmp_path):
+    """`python -m pytest --script COPY` runs the behavioural tests of the script COPY came from, on COPY (here those
+    named "probe 4"): a copy whose policy gradient has the wrong sign fails probe 4 (one observation, action 1
+    rewarded), the faithful copy passes it."""
+    with open(os.path.join(ROOT, "ppo_cartpole_gpu.py")) as f:
+        text = f.read()
+    wrong = "pg_loss = torch.max(-advantages * ratio"
+    assert wrong in text
+    copies = {"my_ppo": text, "my_broken_ppo": text.replace(wrong, "pg_loss = torch.max(advantages * ratio")}
+    outcomes = {}
+    for name, content in copies.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(content)
+        command = [sys.executable, "-m", "pytest", f"--script={path}", "-p", "no:cacheprovider", "-v", "-k", "probe"]
+        run = subprocess.run(command + ["-k", "probe and 4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert f"testing {path} as a copy of ppo_cartpole_gpu.py" in run.stdout, run.stdout
+        outcomes.update(line.split()[:2] for line in run.stdout.splitlines() if line.startswith("tests/"))
+    assert outcomes == {"tests/test_probes.py::test_probe[my_ppo-4]": "PASSED",
+                        "tests/test_probes.py::test_probe[my_broken_ppo-4]": "FAILED"}  # fmt: skip

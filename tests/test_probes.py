@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ppo_cartpole_gpu as P
+from conftest import origin, retarget
 from probes import PROBES
 
 pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
@@ -33,7 +34,7 @@ def probe_args(module=P, **overrides):
     return module.Args(**args)
 
 
-CASES = (
+CASES = retarget(
     [("ppo_cartpole_gpu", k) for k in range(1, 6)]
     + [("vpg", k) for k in range(1, 6)]
     + [("reinforce", 4), ("reinforce", 5)]
@@ -46,15 +47,16 @@ OVERRIDES = {
 }
 
 
+@pytest.mark.behaviour
 @pytest.mark.parametrize("script, k", CASES)
 def test_probe(script, k, in_tmp):
     module = importlib.import_module(script)
-    args = probe_args(module, seed=k, **OVERRIDES[script])
+    args = probe_args(module, seed=k, **OVERRIDES[origin(script)])
     agent = module.train(args, envs=PROBES[k](args.num_envs, "cpu", seed=k))
     obs, values, probs, tol = EXPECTED[k]
     obs = torch.tensor(obs)
     with torch.no_grad():
-        if script == "reinforce":  # no critic: only the policy can be probed
+        if origin(script) == "reinforce":  # no critic: only the policy can be probed
             assert not hasattr(agent, "critic") and probs is not None
         else:
             torch.testing.assert_close(agent.get_value(obs), torch.tensor(values), atol=tol, rtol=0)

@@ -24,10 +24,10 @@ BANNER = "# Run management: identical in all five scripts\n"
 ALL_SHARED = ["check_flags", "mean_over_ranks", "gradient_step", "video_writer"]
 CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "Tanh", "mlp",
                    "Rollout", "RolloutNoise", "collect_rollout", "LossOf", "functional_gradient_step", "hot_phases",
-                   "finished_episodes", "evaluate", "record_video", "env_state", "load_env_state"]  # fmt: skip
+                   "writes_out", "finished_episodes", "evaluate", "record_video"]  # fmt: skip
 # the PPO algorithm and the compiled gradient step, also in the Brax script (its env, agent and rollout differ)
 PPO_SHARED = ["layer_init", "Tanh", "mlp", "Batch", "compute_gae", "make_batch", "ppo_loss", "explained_variance",
-              "update", "LossOf", "functional_gradient_step", "hot_phases"]  # fmt: skip
+              "update", "LossOf", "functional_gradient_step", "writes_out", "hot_phases"]  # fmt: skip
 
 
 def run_block(name: str) -> str:
@@ -69,12 +69,13 @@ def test_args_list_the_algorithm_first_and_the_run_from_total_timesteps(name):
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
 def test_the_file_keeps_its_line_budgets(name):
-    """Readable in one sitting: at most 1,000 lines, a run block of at most 320, and the loss within 350 of the top."""
+    """Readable in one sitting: at most 1,000 lines, a run block of at most 330 (320 until the resume checks of the
+    copy-and-modify issue: env state, your state, optimizer settings, NaN statistics), the loss within 380 lines."""
     with open(os.path.join(ROOT, name + ".py")) as f:
         text = f.read()
     (loss,) = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
-    assert len(text.splitlines()) <= 1000 and len(run_block(name).splitlines()) <= 320
-    assert loss.lineno - 1 <= 350, f"{loss.name} comes after {loss.lineno - 1} lines"
+    assert len(text.splitlines()) <= 1000 and len(run_block(name).splitlines()) <= 330
+    assert loss.lineno - 1 <= 380, f"{loss.name} comes after {loss.lineno - 1} lines"
 
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
