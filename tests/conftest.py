@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,3 +220,17 @@ def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:
         return real_log(self, *args, **kwargs)
 
     monkeypatch.setattr(module.Run, "log", log)
+
+
+def stopped_and_resumed(module, args, tmp, monkeypatch, make_envs=None):
+    """`args` trained straight through (experiment "whole"), and stopped by SIGTERM after iteration 3 (experiment
+    "cut"), then resumed in its folder; returns (whole's agent, the resumed agent, the stopped run's summary).
+    `make_envs()`: fresh envs for each run, given to `train` (the CartPole scripts'; None: the script's own)."""
+    train = lambda a: module.train(a) if make_envs is None else module.train(a, make_envs())
+    whole = train(replace(args, exp_name="whole"))
+    stop_with_sigterm_at(module, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train(replace(args, exp_name="cut"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Run put the handlers back
+    stopped = read_json(os.path.join(run_dir(tmp, "cut"), "summary.json"))
+    return whole, train(replace(args, exp_name="cut", resume=run_dir(tmp, "cut"))), stopped

@@ -26,6 +26,7 @@ from conftest import (
     scalars,
     small_args,
     stop_with_sigterm_at,
+    stopped_and_resumed,
 )
 
 
@@ -35,20 +36,11 @@ def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
     """Stopped by SIGTERM after 3 iterations and resumed, a run logs the same scalars at the same steps and ends
     with the same weights, evaluation and bookkeeping as one run straight through (the LR annealed over both)."""
     module = import_script(script)
-    args = small_args(module)
-    whole = module.train(replace(args, exp_name="whole"))
-    stop_with_sigterm_at(module, monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        module.train(replace(args, exp_name="cut"))
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Run put the handlers back
-    cut = run_dir(in_tmp, "cut")
-    stopped = read_json(os.path.join(cut, "summary.json"))
+    whole, resumed, stopped = stopped_and_resumed(module, small_args(module), in_tmp, monkeypatch)
     assert stopped["status"] == "interrupted" and stopped["iterations"] == 3
-    resumed = module.train(replace(args, exp_name="cut", resume=cut))
-
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
-    assert scalars(cut) == scalars(run_dir(in_tmp, "whole"))
+    assert scalars(run_dir(in_tmp, "cut")) == scalars(run_dir(in_tmp, "whole"))
     a, b = (read_json(os.path.join(run_dir(in_tmp, n), "summary.json")) for n in ("whole", "cut"))
     for key in ("status", "total_env_steps", "iterations", "episodes", "mean_return_last_100", "solved_at_step",
                 "eval_returns"):  # fmt: skip
@@ -234,11 +226,8 @@ def test_a_stopped_brax_run_resumed_equals_one_run(in_tmp, monkeypatch):
     args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
                   total_timesteps=16 * 10 * 6, target_return=None, progress_bar=False, eval_episodes=0,
                   device="cpu")  # fmt: skip
-    whole = B.train(replace(args, exp_name="whole"))
-    stop_with_sigterm_at(B, monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        B.train(replace(args, exp_name="cut"))
-    resumed = B.train(replace(args, exp_name="cut", resume=run_dir(in_tmp, "cut")))
+    whole, resumed, stopped = stopped_and_resumed(B, args, in_tmp, monkeypatch)
+    assert stopped["iterations"] == 3
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
     assert scalars(run_dir(in_tmp, "cut")) == scalars(run_dir(in_tmp, "whole"))

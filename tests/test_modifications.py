@@ -25,6 +25,7 @@ from conftest import (
     scalars,
     small_args,
     stop_with_sigterm_at,
+    stopped_and_resumed,
 )
 
 LOSS = {"ppo_cartpole_gpu": "ppo_loss", "vpg": "vpg_loss", "reinforce": "reinforce_loss"}
@@ -32,21 +33,18 @@ LOSS = {"ppo_cartpole_gpu": "ppo_loss", "vpg": "vpg_loss", "reinforce": "reinfor
 
 
 def three_ways(module, monkeypatch, tmp, envs=None):
-    """The (changed) script trained for six iterations eagerly, with --compile, and stopped by SIGTERM after the third
-    then resumed; returns the three agents. `envs`: an env class to train on instead of the CartPole. Compiled for PPO
-    (and for a copy under --script) only, to spare CI's minutes: VPG and REINFORCE compile the same `hot_phases` and
-    `gradient_step` (test_run.py checks the copies match), and test_compile.py compiles their losses."""
+    """The (changed) script trained for six iterations with --compile, eagerly, and stopped by SIGTERM after the third
+    then resumed; returns the eager, compiled and resumed agents. `envs`: an env class to train on instead of the
+    CartPole. Compiled for PPO (and for a copy under --script) only, to spare CI's minutes: VPG and REINFORCE compile
+    the same `hot_phases` and `gradient_step` (test_run.py checks the copies match), and test_compile.py compiles
+    their losses."""
     args = small_args(module, eval_episodes=0)
     make = lambda: None if envs is None else envs(args.num_envs, "cpu", args.seed)
-    eager = module.train(replace(args, exp_name="eager"), make())
     fast = None
     if origin(module.__name__) == "ppo_cartpole_gpu" or module.__name__ in COPY:
         torch._dynamo.reset()  # each change compiles afresh: no test meets another's graphs or recompilation limit
         fast = module.train(replace(args, exp_name="compiled", compile=True), make())
-    stop_with_sigterm_at(module, monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        module.train(replace(args, exp_name="cut"), make())
-    resumed = module.train(replace(args, exp_name="cut", resume=run_dir(tmp, "cut")), make())
+    eager, resumed, _ = stopped_and_resumed(module, args, tmp, monkeypatch, make)
     return eager, fast, resumed
 
 
