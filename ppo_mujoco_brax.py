@@ -20,6 +20,7 @@ The update (Schulman et al. 2017; CleanRL's continuous-action details), with Bra
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import functools
 import importlib.util
 import io
@@ -329,8 +330,7 @@ def collect_rollout(agent: Agent, envs: BraxVecEnv, raw_obs: torch.Tensor, rollo
         rollout.terminated[t], rollout.dones[t] = terminated, terminated | truncated
         rollout.final_obs[t] = agent.normalize(info["final_obs"])
         rollout.episode_return[t], rollout.episode_length[t] = info["episode_return"], info["episode_length"]
-    if agent.norm_obs:
-        agent.obs_rms.update(rollout.raw_obs)
+    agent.obs_rms.update(rollout.raw_obs)  # also when unused (norm_obs off): an `if` on the buffer waits for the GPU
     if scale_reward is not None:
         scale_reward.update()
     return raw_obs
@@ -528,7 +528,8 @@ def train(args: Args) -> Agent:
 def import_brax():
     """jax and brax.envs, imported on first use (not on importing this script), after setting the variables read."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
-    os.environ.setdefault("MUJOCO_GL", "egl")  # read on import; without an offscreen OpenGL rendering the MP4 aborts
+    if ctypes.util.find_library("EGL"):  # MuJoCo reads it on import: without EGL it fails, without it the MP4 may
+        os.environ.setdefault("MUJOCO_GL", "egl")  # ...find no offscreen OpenGL (then one note, at the video)
     # hushed: MuJoCo's "Failed to import warp" (an optional backend), Brax's and JAXopt's "no longer maintained"
     warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
     warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)

@@ -55,9 +55,10 @@ def env_rates(bench: BenchArgs) -> tuple[float, float]:
     jax.block_until_ready(state.obs)
     raw = bench.env_steps * bench.num_envs / (time.perf_counter() - t0)
 
-    wrapped = ours.BraxVecEnv(bench.env_id, bench.backend, bench.num_envs, 1000, "cpu", seed=0)
+    device = ours.Args().device  # the policy's device: the wrapper hands JAX's arrays over there
+    wrapped = ours.BraxVecEnv(bench.env_id, bench.backend, bench.num_envs, 1000, device, seed=0)
     wrapped.reset()
-    zeros = torch.zeros(bench.num_envs, wrapped.action_dim)
+    zeros = torch.zeros(bench.num_envs, wrapped.action_dim, device=device)
     wrapped.step(zeros)
     t0 = time.perf_counter()
     for _ in range(bench.env_steps):
@@ -86,6 +87,9 @@ def run_brax_ppo(bench: BenchArgs) -> float:
     from brax.training.agents.ppo import networks as ppo_networks
     from brax.training.agents.ppo import train as ppo
 
+    if not hasattr(jax, "device_put_replicated"):  # removed in JAX 0.10 (Brax 0.14.2 still calls it): its plain meaning
+        jax.device_put_replicated = lambda x, devices: jax.tree.map(lambda a: jax.device_put(
+            jax.numpy.stack([a] * len(devices)), devices[0]), x)  # fmt: skip
     env = brax_envs.get_environment(bench.env_id, backend=bench.backend)
     calls = []
     steps_per_iter = bench.num_envs * bench.num_steps

@@ -74,6 +74,8 @@ class BenchArgs:
     """--num-envs of the eager / --compile / JAX-peer rows (16 steps each, the other flags default)"""
     peer_seeds: list[int] = field(default_factory=lambda: [1, 2])
     """seeds of the eager / --compile / JAX-peer time-to-solve runs (whole processes, cold caches)"""
+    solve_up_to: int = 1 << 30
+    """time-to-solve rows only for --peer-sizes up to this many envs (SPS rows for all)"""
     skip_peer: bool = False
     """leave out the eager / --compile / JAX-peer comparison"""
     skip_busy: bool = False
@@ -83,20 +85,25 @@ class BenchArgs:
 # ----------------------------------------------------------------------------------------------
 # 1. env step rate
 # ----------------------------------------------------------------------------------------------
-def best_rate(step_fn, n_envs: int, seconds: float, repeats: int = 3) -> float:
-    """Env steps per second of `step_fn(i)`, the best of `repeats` timed loops of ~`seconds`."""
+def best_rate(step_fn, n_envs: int, seconds: float, repeats: int = 3, sync=lambda: None) -> float:
+    """Env steps per second of `step_fn(i)`, the best of `repeats` timed loops of ~`seconds`; `sync()` waits for
+    queued work (a GPU's) before each clock read, else a loop would time kernel launches, not kernels."""
     for i in range(10):  # warm-up
         step_fn(i)
+    sync()
     t0, k = time.perf_counter(), 0
     while time.perf_counter() - t0 < 0.2:
         step_fn(k)
         k += 1
-    steps = max(10, int(k * seconds / 0.2))
+    sync()
+    steps = max(10, int(k * seconds / (time.perf_counter() - t0)))
     rates = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         for i in range(steps):
             step_fn(i)
+        sync()
         rates.append(steps * n_envs / (time.perf_counter() - t0))
     return max(rates)
 
@@ -110,7 +117,8 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
     def ours_step(i):
         env.step(actions[i % 64])
 
-    rate_ours = best_rate(ours_step, n, seconds)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    rate_ours = best_rate(ours_step, n, seconds, sync=sync)
 
     # compiled as `--compile` runs it: 16 steps in one graph (as in a 16-step rollout), the reset states
     # drawn up front, inside the timing
@@ -123,9 +131,7 @@ def env_rates(n: int, device: torch.device, seconds: float) -> tuple[float, floa
     def compiled(i):
         compiled_steps(actions[16 * (i % 4) : 16 * (i % 4 + 1)], env.draw_initial_states(16, env.num_envs))
 
-    rate_compiled = 16 * best_rate(compiled, n, seconds)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    rate_compiled = 16 * best_rate(compiled, n, seconds, sync=sync)
     ref = gym.make_vec("CartPole-v1", num_envs=n, vectorization_mode="vector_entry_point")
     ref.reset(seed=0)
     np_actions = np.random.default_rng(0).integers(0, 2, size=(64, n))
@@ -247,10 +253,16 @@ def cleanrl_baseline(seed: int, max_steps: int) -> dict:
 # 4. eager vs --compile vs the PureJaxRL-style JAX peer (benchmarks/jax_ppo_cartpole.py)
 # ----------------------------------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER_MODES = ("eager", "--compile", "JAX peer")
+CUDA_GRAPHS = "--compile, CUDA graphs"
 
 
-def peer_command(mode: str, n: int, seed: int, iterations: int | None) -> list[str]:
+def peer_modes(device: str) -> tuple[str, ...]:
+    """The rows' columns: on a GPU also --compile with inductor's CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1, what
+    mode="reduce-overhead" turns on), which replays each compiled phase's kernels in one launch."""
+    return ("eager", "--compile") + ((CUDA_GRAPHS,) if device.startswith("cuda") else ()) + ("JAX peer",)
+
+
+def peer_command(mode: str, n: int, seed: int, iterations: int | None, device: str) -> list[str]:
     """The command line of one run: time-to-solve (stop at the 475 threshold) or `iterations` iterations."""
     common = ["--num-envs", str(n), "--seed", str(seed)]
     if mode == "JAX peer":
@@ -259,18 +271,26 @@ def peer_command(mode: str, n: int, seed: int, iterations: int | None) -> list[s
         return [sys.executable, os.path.join(ROOT, "benchmarks", "jax_ppo_cartpole.py"), *common, *limit]
     limit = ["--target-return", "475"] if iterations is None else ["--total-timesteps", str(n * 16 * iterations),
                                                                     "--target-return", "None"]  # fmt: skip
-    flags = ["--no-progress-bar", "--eval-episodes", "0"] + (["--compile"] if mode == "--compile" else [])
+    flags = ["--no-progress-bar", "--eval-episodes", "0", "--device", device] + (
+        ["--compile"] if "compile" in mode else []
+    )
     return [sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *common, *limit, *flags]
 
 
-def peer_run(mode: str, n: int, seed: int, iterations: int | None = None) -> dict:
+def peer_run(mode: str, n: int, seed: int, device: str, iterations: int | None = None) -> dict:
     """One run as a fresh process with cold compilation caches (a user's first run); returns its SPS
     (after compilation), training-loop seconds to solve, and the whole process's seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
+        if mode == CUDA_GRAPHS:
+            env["TORCHINDUCTOR_CUDAGRAPHS"] = "1"
         start = time.perf_counter()
-        out = subprocess.run(peer_command(mode, n, seed, iterations), cwd=tmp, env=env, capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+        run = subprocess.run(peer_command(mode, n, seed, iterations, device), cwd=tmp, env=env, capture_output=True,
+                             text=True)  # fmt: skip
+        if run.returncode != 0:  # a row of its own, not the end of the benchmark
+            print(f"{mode}, {n} envs, seed {seed}: exit {run.returncode}\n{run.stderr[-2000:]}", file=sys.stderr)
+            return {"sps": float("nan"), "solved_at_seconds": None, "solved_at_step": None, "process_seconds": None}
+        out = run.stdout
         process = time.perf_counter() - start
         if mode == "JAX peer":
             result = json.loads(out.strip().splitlines()[-1])
@@ -282,21 +302,25 @@ def peer_run(mode: str, n: int, seed: int, iterations: int | None = None) -> dic
 
 
 def peer_rows(bench: BenchArgs) -> list[tuple]:
-    rows = []
+    rows, modes = [], peer_modes(bench.device)
+    compiled = [m for m in modes if "compile" in m]
     for n in bench.peer_sizes:
         iterations = 60 if n <= 512 else 15
-        sps = {mode: peer_run(mode, n, 1, iterations)["sps"] for mode in PEER_MODES}
-        ratio = f"{sps['--compile'] / sps['JAX peer']:.2f}x"
+        sps = {mode: peer_run(mode, n, 1, bench.device, iterations)["sps"] for mode in modes}
+        ratio = " / ".join(f"{sps[m] / sps['JAX peer']:.2f}x" for m in compiled)
         rows.append((f"training SPS after compilation, {n}x16 ({iterations} iterations)",
-                     *(f"{sps[m]:,.0f}" for m in PEER_MODES), ratio))  # fmt: skip
+                     *(f"{sps[m]:,.0f}" for m in modes), ratio))  # fmt: skip
         progress(rows[-1])
-        solved = {mode: [peer_run(mode, n, seed) for seed in bench.peer_seeds] for mode in PEER_MODES}
+        if n > bench.solve_up_to:
+            continue
+        solved = {mode: [peer_run(mode, n, seed, bench.device) for seed in bench.peer_seeds] for mode in modes}
         for key, label in (("solved_at_seconds", "training loop"), ("process_seconds", "whole process")):
-            means = {m: [r[key] if r["solved_at_step"] is not None else None for r in solved[m]] for m in PEER_MODES}
+            means = {m: [r[key] if r["solved_at_step"] is not None else None for r in solved[m]] for m in modes}
             ok = all(None not in v for v in means.values())
-            ratio = f"{statistics.mean(means['JAX peer']) / statistics.mean(means['--compile']):.2f}x" if ok else ""
+            ratio = " / ".join(f"{statistics.mean(means['JAX peer']) / statistics.mean(means[m]):.2f}x"
+                               for m in compiled) if ok else ""  # fmt: skip
             rows.append((f"time-to-solve (475), {label}, s, {n}x16, seeds {','.join(map(str, bench.peer_seeds))}",
-                         *(spread(means[m], ".1f") for m in PEER_MODES), ratio))  # fmt: skip
+                         *(spread(means[m], ".1f") for m in modes), ratio))  # fmt: skip
             progress(rows[-1])
     return rows
 
@@ -434,7 +458,9 @@ def main() -> None:
     print(f"\n`python {' '.join(sys.argv)}` on {machine(gym, jax)}\n")
     print_table(["measure", "ours, eager", "ours, --compile", "gymnasium", "ratio (eager / compiled)"], env_rows)
     if peer:
-        print_table(["ppo_cartpole_gpu.py vs the JAX peer", "eager", "--compile", "JAX peer", "compiled vs JAX"], peer)
+        modes = peer_modes(bench.device)
+        print_table(["ppo_cartpole_gpu.py vs the JAX peer", *modes, " / ".join(m for m in modes if "compile" in m)
+                     + " vs JAX"], peer)  # fmt: skip
     if busy:
         busy_header = [
             f"training SPS, quiet vs beside 1 CPU hog ({cores()} cores)",

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checklist (docs/benchmarks.md, "On a GPU"): run on a CUDA machine from the repository's root, one part at
+# a time (each fits in ten minutes on an H100), logs in $LOGS (default gpu_logs/):
+#   bash benchmarks/gpu_checklist.sh correctness   # tests/test_cuda.py, every CartPole script to the end on cuda
+#                                                  # at its defaults and at 4096 envs, Brax inverted_pendulum on JAX's GPU
+#   bash benchmarks/gpu_checklist.sh cartpole      # env steps/s up to 1M envs; eager / --compile / CUDA graphs / JAX
+#   bash benchmarks/gpu_checklist.sh brax          # ant: ppo_mujoco_brax.py against Brax's own PPO
+set -u
+LOGS=${LOGS:-gpu_logs}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi -L
+  $PY -c "import torch, jax; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| jax', jax.__version__, jax.devices())"
+} | tee "$LOGS/machine.txt"
+
+# `timed LABEL CMD...`: run CMD, keep its output in $LOGS/LABEL.log, print its exit code, wall seconds and result line
+timed() {
+  local label=$1
+  shift
+  local start=$(date +%s%N)
+  "$@" >"$LOGS/$label.log" 2>&1
+  local rc=$? ms=$((($(date +%s%N) - start) / 1000000))
+  printf '%-34s rc=%s %5d.%03d s  %s\n' "$label" "$rc" $((ms / 1000)) $((ms % 1000)) \
+    "$(grep -v '^note:' "$LOGS/$label.log" | tail -1 | cut -c1-200)"
+}
+
+case "${1:-}" in
+correctness)
+  timeout 330 $PY -m pytest tests/test_cuda.py -rA -p no:cacheprovider 2>&1 | tail -40 | tee "$LOGS/test_cuda.log"
+  for script in ppo_cartpole_gpu vpg reinforce; do
+    timed "$script.cuda.defaults" timeout 120 $PY $script.py --device cuda --no-progress-bar
+    timed "$script.cuda.4096" timeout 120 $PY $script.py --device cuda --no-progress-bar --num-envs 4096
+  done
+  timed "ppo_cartpole_gpu.cuda.compile" timeout 120 $PY ppo_cartpole_gpu.py --device cuda --no-progress-bar --compile
+  timed "brax.inverted_pendulum.cuda" timeout 200 $PY ppo_mujoco_brax.py --env-id inverted_pendulum --device cuda \
+    --total-timesteps 2000000 --target-return 900 --no-progress-bar
+  ;;
+cartpole)
+  timeout 560 $PY benchmarks/cartpole.py --device cuda --env-sizes 4096 65536 1048576 --peer-sizes 4096 65536 \
+    --solve-up-to 4096 --peer-seeds 1 --seeds 1 --skip-busy --skip-baseline --seconds-per-measure 0.5 \
+    --logdir "$LOGS/cartpole" 2>&1 | tee "$LOGS/cartpole.log"
+  ;;
+brax)
+  timeout 560 $PY benchmarks/brax_ppo.py --env-id ant --num-envs 4096 --iterations 20 2>&1 | tee "$LOGS/brax.log"
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,141 @@
+"""On a CUDA GPU (every test here is skipped where there is none, as in CI): the tensor CartPole steps as on the CPU,
+the hot phases of a rollout and update never wait for the host, the CartPole scripts train eager, compiled, resumed
+and under torchrun on cuda, and Brax hands its arrays to torch on the GPU without a copy. docs/benchmarks.md says
+when this file last ran on a GPU and what it found."""
+
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import (
+    ROOT,
+    SCRIPTS,
+    assert_close,
+    import_script,
+    read_json,
+    run_dir,
+    run_script,
+    small_args,
+    stopped_and_resumed,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_the_cartpole_steps_on_cuda_as_on_the_cpu():
+    """From the same states and actions, one step on the GPU gives the CPU's observation (float32 and FMA: within
+    1e-5), reward and flags; 300 steps, so thousands of episodes end and restart from the same drawn states."""
+    P = import_script("ppo_cartpole_gpu")
+    cpu, gpu = P.CartPole(4096, "cpu", seed=0), P.CartPole(4096, "cuda", seed=0)
+    cpu.reset(), gpu.reset()
+    actions, starts = torch.randint(0, 2, (300, 4096)), cpu.draw_initial_states(300, 4096)
+    for t in range(300):
+        gpu.state = cpu.state.cuda()
+        expected = cpu.step(actions[t], starts[t])
+        got = gpu.step(actions[t].cuda(), starts[t].cuda())
+        assert_close(got[0].cpu(), expected[0], f"obs at step {t}", atol=1e-5, rtol=1e-5)
+        for name, a, b in zip(("reward", "terminated", "truncated"), got[1:4], expected[1:4]):
+            assert torch.equal(a.cpu(), b), f"{name} at step {t}"
+
+
+@pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg"])
+def test_rollout_batch_and_gradient_steps_never_wait_for_the_host(name, in_tmp, monkeypatch):
+    """`torch.cuda.set_sync_debug_mode("error")` turns any host sync (`.item()`, `.cpu()`, a data-dependent shape)
+    into an exception: the rollout, the batch preparation and every gradient step of two iterations run under it.
+    (REINFORCE's rollout asks the host whether every episode has ended: one read per step, by design.)"""
+    module = import_script(name)
+    real = module.hot_phases
+
+    def strict(fn):
+        def call(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return call
+
+    monkeypatch.setattr(module, "hot_phases", lambda *a: tuple(map(strict, real(*a))))
+    module.train(small_args(module, device="cuda", total_timesteps=16 * 32 * 2))
+    summary = read_json(os.path.join(glob.glob("runs/*")[0], "summary.json"))
+    assert summary["status"] == "completed" and summary["device"] == "cuda"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_compiled_training_matches_eager_on_cuda(name, in_tmp):
+    """As tests/test_compile.py on the CPU: the same weights after 4 iterations, eager and --compile (Triton)."""
+    from test_compile import trained
+
+    torch._dynamo.reset()
+    eager, compiled = trained(name, in_tmp, device="cuda"), trained(name, in_tmp, device="cuda", compile=True)
+    for (key, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        assert a.device.type == "cuda"
+        assert_close(a, b, key, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_stopped_run_resumed_on_cuda_equals_one_run(name, in_tmp, monkeypatch):
+    """The CUDA generators (the policy's and the envs') are saved and restored: bit for bit the same weights."""
+    module = import_script(name)
+    whole, resumed, stopped = stopped_and_resumed(module, small_args(module, device="cuda"), in_tmp, monkeypatch)
+    assert stopped["status"] == "interrupted" and stopped["iterations"] == 3
+    for key, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[key]), key
+
+
+def test_a_model_trained_on_cuda_is_evaluated_on_the_cpu(tmp_path):
+    flags = ["--total-timesteps", "8192", "--num-envs", "128", "--no-progress-bar", "--eval-episodes", "2"]
+    trained = run_script("ppo_cartpole_gpu", *flags, "--device", "cuda", "--save-model", "--exp-name", "gpu",
+                         cwd=tmp_path)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    (model,) = glob.glob(str(tmp_path / "runs" / "*__gpu__*" / "*.cleanrl_model"))
+    evaluated = run_script("ppo_cartpole_gpu", "--eval-only", "--load-model", model, "--device", "cpu",
+                           "--eval-episodes", "2", "--exp-name", "cpu", cwd=tmp_path)  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert read_json(os.path.join(run_dir(tmp_path, "cpu"), "summary.json"))["status"] == "evaluated"
+
+
+def test_torchrun_on_one_gpu_trains_with_nccl(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--device", "cuda", "--total-timesteps", "16384",
+               "--no-progress-bar", "--eval-episodes", "2"]  # fmt: skip
+    import subprocess
+
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
+    summary = read_json(path)
+    assert summary["world_size"] == 1 and summary["status"] == "completed"
+
+
+def test_brax_on_the_gpu_hands_arrays_to_torch_without_a_copy(in_tmp, monkeypatch):
+    """JAX on the GPU: an observation reaches torch as the same device memory JAX wrote (DLPack), an action
+    reaches JAX as torch's memory, and a rollout of ppo_mujoco_brax.py runs with torch never syncing with the host
+    (no `.cpu()`, no `.item()`: `set_sync_debug_mode("error")` would raise)."""
+    B = import_script("ppo_mujoco_brax")
+    envs = B.BraxVecEnv("inverted_pendulum", "spring", 256, 1000, "cuda", seed=0)
+    assert B.import_brax()[0].default_backend() == "gpu"
+    envs.reset()
+    action = torch.zeros(256, 1, device="cuda")
+    assert envs.to_jax(action).unsafe_buffer_pointer() == action.data_ptr()
+    assert envs.step(action)[0].device.type == "cuda"
+    assert envs.to_torch(envs.state.obs).data_ptr() == envs.state.obs.unsafe_buffer_pointer()  # JAX's memory
+    real = B.collect_rollout
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(B, "collect_rollout", strict)
+    args = B.Args(env_id="inverted_pendulum", num_envs=256, num_steps=16, total_timesteps=256 * 16 * 2,
+                  eval_episodes=0, progress_bar=False, device="cuda")  # fmt: skip
+    B.train(args)
+    summary = read_json(os.path.join(glob.glob("runs/*")[0], "summary.json"))
+    assert summary["status"] == "completed" and summary["device"] == "cuda"
