@@ -1,0 +1,78 @@
+"""benchmarks/seeds.py: the aggregate across seeds (IQM, stratified bootstrap CI, steps to solve) against hand
+computations and a plain loop, and its command line on real run folders."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_script
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import seeds  # noqa: E402
+
+
+def summary(seed, reached, step, evaluation, env_id="CartPole-v1"):
+    return {"seed": seed, "env_id": env_id, "status": "target return reached" if reached else "completed",
+            "solved_at_step": step, "eval_mean_return": evaluation}  # fmt: skip
+
+
+@pytest.mark.quick
+def test_iqm_is_the_mean_of_the_middle_half():
+    assert seeds.iqm(np.array([7.0, 0, 1, 2, 3, 4, 5, 6])) == 3.5  # drops 0, 1 and 6, 7
+    assert seeds.iqm(np.array([100.0, 1, 2, 3, 4, 5, 6, 7, 8, -100])) == 4.5  # n=10: drops 2 each end, keeps 1..8
+    assert seeds.iqm(np.array([1.0, 2, 9])) == 4.0  # n < 4: nothing dropped
+    rows = np.array([[0.0, 1, 2, 3], [4, 4, 4, 40]])
+    assert seeds.iqm(rows, axis=1).tolist() == [1.5, 4.0]
+
+
+@pytest.mark.quick
+def test_the_bootstrap_resamples_within_each_env_as_a_plain_loop_does():
+    scores = {"a": np.array([1.0, 2, 3, 4, 10]), "b": np.array([20.0, 30, 40])}
+    reps, rng = 500, np.random.default_rng(7)
+    # each env's runs drawn from that env alone (the same draws, in the same order), then pooled
+    a = rng.integers(0, 5, size=(reps, 5))
+    b = rng.integers(0, 3, size=(reps, 3))
+    iqms = []
+    for i in range(reps):  # the reference: one resample at a time
+        pooled = sorted(list(scores["a"][a[i]]) + list(scores["b"][b[i]]))
+        iqms.append(np.mean(pooled[2:6]))  # 8 scores: drop 2 each end
+    low, high = seeds.stratified_bootstrap_ci(scores, reps, seed=7)
+    assert (low, high) == pytest.approx(tuple(np.percentile(iqms, [2.5, 97.5])))
+    assert low < seeds.iqm(np.concatenate(list(scores.values()))) < high
+    assert seeds.stratified_bootstrap_ci({"a": np.full(6, 500.0)}, 100, 0) == (500.0, 500.0)
+
+
+@pytest.mark.quick
+def test_the_aggregate_counts_solves_and_takes_quartiles_by_hand():
+    runs = [summary(1, True, 100, 500.0), summary(2, True, 300, 490.0), summary(3, False, 200, 310.0),
+            summary(4, False, None, 120.0), summary(5, True, 400, 500.0)]  # fmt: skip
+    agg = seeds.aggregate(runs, reps=200)
+    # seed 3 passed 475 on the training episodes (solved_at_step) but never confirmed the target
+    assert agg["runs"] == 5 and agg["target_reached"] == 3 and agg["solved"] == 4 and agg["seeds"] == [1, 2, 3, 4, 5]
+    assert agg["solved_at_step_median"] == 250 and agg["solved_at_step_iqr"] == [175, 325]  # of 100, 200, 300, 400
+    assert agg["eval_iqm"] == pytest.approx((310 + 490 + 500) / 3)  # n=5: drops 120 and one 500
+    low, high = agg["eval_iqm_ci95"]
+    assert 120 <= low <= agg["eval_iqm"] <= high <= 500
+    assert seeds.line(agg).startswith("3/5 reached the target; solved at step median 250 (IQR 175–325) of 4; eval IQM")
+    none = seeds.aggregate([summary(1, False, None, None)])
+    assert none["eval_iqm"] is None and seeds.line(none) == "0/1 reached the target; none solved; no evaluation"
+
+
+def test_the_command_aggregates_real_run_folders(tmp_path):
+    for seed in (1, 2):
+        result = run_script("ppo_cartpole_gpu", "--seed", str(seed), "--total-timesteps", "4096", "--num-envs", "64",
+                            "--eval-episodes", "4", "--no-progress-bar", "--device", "cpu", cwd=tmp_path)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    runs = sorted(str(p) for p in (tmp_path / "runs").iterdir())
+    out = tmp_path / "aggregate.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "seeds.py"), *runs, "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("0/2 reached the target; none solved; eval IQM")
+    agg = json.loads(out.read_text())
+    assert agg["seeds"] == [1, 2] and agg["evaluated"] == 2
+    bad = subprocess.run(command[:2] + [str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith(f"error: {tmp_path}: no summary.json")
