@@ -25,6 +25,20 @@ from conftest import (
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def never_syncing(fn):
+    """`fn` run under `torch.cuda.set_sync_debug_mode("error")`: a host sync in it (`.item()`, `.cpu()`, a
+    data-dependent shape, `bool()` of a GPU tensor) raises."""
+
+    def call(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return call
+
+
 def test_the_cartpole_steps_on_cuda_as_on_the_cpu():
     """From the same states and actions, one step on the GPU gives the CPU's observation (float32 and FMA: within
     1e-5), reward and flags; 300 steps, so thousands of episodes end and restart from the same drawn states."""
@@ -48,18 +62,7 @@ def test_rollout_batch_and_gradient_steps_never_wait_for_the_host(name, in_tmp, 
     (REINFORCE's rollout asks the host whether every episode has ended: one read per step, by design.)"""
     module = import_script(name)
     real = module.hot_phases
-
-    def strict(fn):
-        def call(*args):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        return call
-
-    monkeypatch.setattr(module, "hot_phases", lambda *a: tuple(map(strict, real(*a))))
+    monkeypatch.setattr(module, "hot_phases", lambda *a: tuple(map(never_syncing, real(*a))))
     module.train(small_args(module, device="cuda", total_timesteps=16 * 32 * 2))
     summary = read_json(os.path.join(glob.glob("runs/*")[0], "summary.json"))
     assert summary["status"] == "completed" and summary["device"] == "cuda"
@@ -124,16 +127,7 @@ def test_brax_on_the_gpu_hands_arrays_to_torch_without_a_copy(in_tmp, monkeypatc
     assert envs.to_jax(action).unsafe_buffer_pointer() == action.data_ptr()
     assert envs.step(action)[0].device.type == "cuda"
     assert envs.to_torch(envs.state.obs).data_ptr() == envs.state.obs.unsafe_buffer_pointer()  # JAX's memory
-    real = B.collect_rollout
-
-    def strict(*args):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(B, "collect_rollout", strict)
+    monkeypatch.setattr(B, "collect_rollout", never_syncing(B.collect_rollout))
     args = B.Args(env_id="inverted_pendulum", num_envs=256, num_steps=16, total_timesteps=256 * 16 * 2,
                   eval_episodes=0, progress_bar=False, device="cuda")  # fmt: skip
     B.train(args)
