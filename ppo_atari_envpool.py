@@ -826,8 +826,7 @@ def check_run_flags(args) -> torch.device:
     gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
     check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {
         "device": (args.device == "cpu" or args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1],
-                   f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)"),
-        "compile": (not (args.compile and "LOCAL_RANK" in os.environ), "off under torchrun (for now)")})  # fmt: skip
+                   f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)")})  # fmt: skip
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
         raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")

@@ -453,10 +453,12 @@ def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer,
 
 def writes_out(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     """Whether `functional_gradient_step` can take the compiled step: plain Adam in one param group (the update it
-    writes out) and no parameter in two places (torch.func.grad cannot differentiate a shared module compiled)."""
+    writes out), no parameter in two places (torch.func.grad cannot differentiate a shared module compiled) and one
+    process (under torchrun `gradient_step` all-reduces the gradients between `backward()` and `step()`)."""
     group, uses = optimizer.param_groups[0], len(list(agent.named_parameters(remove_duplicate=False)))
     plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
-    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters()))
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
+    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters())) and alone
 
 
 def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
@@ -907,8 +909,7 @@ def check_run_flags(args) -> torch.device:
     gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
     check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {
         "device": (args.device == "cpu" or args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1],
-                   f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)"),
-        "compile": (not (args.compile and "LOCAL_RANK" in os.environ), "off under torchrun (for now)")})  # fmt: skip
+                   f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)")})  # fmt: skip
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
         raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")

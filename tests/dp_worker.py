@@ -3,8 +3,8 @@
 
 1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
    without per-minibatch advantage normalisation.
-2. A few iterations of `train()` (16 envs per rank) of ppo_cartpole_gpu.py, vpg.py and reinforce.py: the weights
-   every rank ends with.
+2. A few iterations of `train()` (16 envs per rank) of ppo_cartpole_gpu.py (eager and with --compile), vpg.py and
+   reinforce.py: the weights every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
 4. `update` of ppo_atari_envpool.py and of ppo_mujoco_brax.py on this rank's half of a fixed batch.
 """
@@ -12,6 +12,7 @@
 import functools
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,8 @@ def main(out: str) -> None:
                   progress_bar=False, device="cpu")  # fmt: skip
     agent = P.train(args)
     torch.save(agent.state_dict(), os.path.join(out, f"train_rank{rank}.pt"))
+    compiled = P.train(replace(args, compile=True, exp_name="compiled"))  # the compiled loss, all-reduced gradients
+    torch.save(compiled.state_dict(), os.path.join(out, f"train_compiled_rank{rank}.pt"))
     for module, steps in ((V, 8), (R, 500)):  # VPG and REINFORCE run data parallel too
         args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
                            eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip
