@@ -530,8 +530,8 @@ def train(args: Args) -> Agent:
 def import_brax():
     """jax and brax.envs, imported on first use (not on importing this script), after setting the variables read."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
-    if ctypes.util.find_library("EGL"):  # MuJoCo reads it on import: without EGL it fails, without it the MP4 may
-        os.environ.setdefault("MUJOCO_GL", "egl")  # ...find no offscreen OpenGL (then one note, at the video)
+    if ctypes.util.find_library("EGL"):  # read on MuJoCo's import: offscreen OpenGL for the MP4 ("egl" where there
+        os.environ.setdefault("MUJOCO_GL", "egl")  # is no libEGL fails the import; the video then notes the lack)
     # hushed: MuJoCo's "Failed to import warp" (an optional backend), Brax's and JAXopt's "no longer maintained"
     warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
     warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)

@@ -14,6 +14,7 @@ per iteration, as our script does, to keep the 100-episode mean. As with `--comp
 (compilation) is left out of SPS and of the time to solve.
 
     python benchmarks/jax_ppo_cartpole.py --num-envs 128 --seed 1     # prints a JSON summary
+    python benchmarks/jax_ppo_cartpole.py --num-seeds 16              # seeds 1-16 vmapped in one program
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import math
 import time
 from collections import deque
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -69,16 +69,21 @@ def mlp(params, x):
 
 def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_return=500.0, solved_threshold=475.0,
           learning_rate=5e-3, num_minibatches=4, update_epochs=4, gamma=0.99, gae_lambda=0.95, clip_coef=0.2,
-          vf_coef=0.5, max_grad_norm=0.5) -> dict:  # fmt: skip
+          vf_coef=0.5, max_grad_norm=0.5, num_seeds=1) -> dict:  # fmt: skip
+    """One seed as written; with num_seeds K > 1 the same iteration `jax.vmap`ped over K agents and their envs
+    (seeds seed..seed+K-1, PureJaxRL's headline), stopping once every seed reached the target."""
     batch_size = num_envs * num_steps
     num_iterations = total_timesteps // batch_size
     steps_per_iteration = num_minibatches * update_epochs
     schedule = lambda count: learning_rate * (1.0 - (count // steps_per_iteration) / num_iterations)  # noqa: E731
     tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule, eps=1e-5))
-    key, k_actor, k_critic, k_env = jax.random.split(jax.random.PRNGKey(seed), 4)
-    params = {"actor": mlp_init(k_actor, [4, 64, 64, 2], 0.01), "critic": mlp_init(k_critic, [4, 64, 64, 1], 1.0)}
-    env = (jax.random.uniform(k_env, (num_envs, 4), minval=-0.05, maxval=0.05), jnp.zeros(num_envs, jnp.int32),
-           jnp.zeros(num_envs))  # fmt: skip
+
+    def init(seed):
+        key, k_actor, k_critic, k_env = jax.random.split(jax.random.PRNGKey(seed), 4)
+        params = {"actor": mlp_init(k_actor, [4, 64, 64, 2], 0.01), "critic": mlp_init(k_critic, [4, 64, 64, 1], 1.0)}
+        env = (jax.random.uniform(k_env, (num_envs, 4), minval=-0.05, maxval=0.05), jnp.zeros(num_envs, jnp.int32),
+               jnp.zeros(num_envs))  # fmt: skip
+        return params, tx.init(params), env, key
 
     def loss_fn(params, obs, actions, old_logp, adv, returns):
         logp = jax.nn.log_softmax(mlp(params["actor"], obs))
@@ -89,7 +94,6 @@ def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_
         value = mlp(params["critic"], obs)[:, 0]
         return pg + vf_coef * 0.5 * ((value - returns) ** 2).mean()
 
-    @partial(jax.jit, donate_argnums=(0,))
     def iteration(carry):
         params, opt_state, env, key = carry
 
@@ -132,30 +136,40 @@ def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_
         (params, opt_state), _ = jax.lax.scan(epoch, (params, opt_state), jax.random.split(k_perm, update_epochs))
         return (params, opt_state, env, key), (r["done"], r["ep_return"])
 
-    carry = (params, tx.init(params), env, key)
-    recent: deque[float] = deque(maxlen=100)
-    solved_step = solved_seconds = None
+    seeds = jnp.arange(seed, seed + num_seeds)
+    if num_seeds == 1:  # the code as written, for one seed
+        carry, run = init(seed), jax.jit(iteration, donate_argnums=(0,))
+        one_host_read = lambda outs: [jax.device_get(outs)]  # noqa: E731
+    else:  # K seeds: a leading axis on everything, one program for all
+        carry, run = jax.vmap(init)(seeds), jax.jit(jax.vmap(iteration), donate_argnums=(0,))
+        one_host_read = lambda outs: list(zip(*jax.device_get(outs)))  # noqa: E731
+    recent = [deque(maxlen=100) for _ in range(num_seeds)]
+    solved_step, solved_seconds, reached = [None] * num_seeds, [None] * num_seeds, [False] * num_seeds
     steps, start = 0, time.perf_counter()
     for i in range(1, num_iterations + 1):
-        carry, (done, ep_return) = iteration(carry)
-        done, ep_return = jax.device_get((done, ep_return))  # the iteration's one host read
-        recent.extend(ep_return[done].tolist())
+        carry, outs = run(carry)
+        for k, (done, ep_return) in enumerate(one_host_read(outs)):  # the iteration's one host read
+            recent[k].extend(ep_return[done].tolist())
         steps += batch_size
         if i == 1:  # compiled and ran once: the clock starts now, as with --compile
             clock, counted = time.perf_counter(), 0
             compile_seconds = round(clock - start, 2)
             continue
         counted += batch_size
-        mean = float(np.mean(recent)) if len(recent) == recent.maxlen else -math.inf
-        if solved_step is None and mean >= solved_threshold:
-            solved_step, solved_seconds = steps, time.perf_counter() - clock
-        if mean >= target_return:
+        for k in range(num_seeds):
+            mean = float(np.mean(recent[k])) if len(recent[k]) == recent[k].maxlen else -math.inf
+            if solved_step[k] is None and mean >= solved_threshold:
+                solved_step[k], solved_seconds[k] = steps, time.perf_counter() - clock
+            reached[k] = reached[k] or mean >= target_return
+        if all(reached):
             break
     wall = time.perf_counter() - clock
-    return {"mean_sps": round(counted / wall, 1), "wall_seconds": round(wall, 3), "total_env_steps": steps,
-            "iterations": i, "solved_at_step": solved_step, "solved_at_seconds": solved_seconds,
-            "mean_return_last_100": float(np.mean(recent)) if recent else None, "compile_seconds": compile_seconds,
-            "device": str(jax.devices()[0])}  # fmt: skip
+    one = (lambda x: x[0]) if num_seeds == 1 else (lambda x: x)  # noqa: E731
+    return {"mean_sps": round(num_seeds * counted / wall, 1), "wall_seconds": round(wall, 3),
+            "total_env_steps": num_seeds * steps, "iterations": i, "solved_at_step": one(solved_step),
+            "solved_at_seconds": one(solved_seconds),
+            "mean_return_last_100": one([float(np.mean(r)) if r else None for r in recent]),
+            "compile_seconds": compile_seconds, "device": str(jax.devices()[0]), "num_seeds": num_seeds}  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -165,5 +179,6 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--total-timesteps", type=int, default=5_000_000)
     parser.add_argument("--target-return", type=float, default=500.0, help="stop at this 100-episode mean (inf: never)")
+    parser.add_argument("--num-seeds", type=int, default=1, help="seeds --seed.. in one vmapped program")
     a = parser.parse_args()
-    print(json.dumps(train(a.num_envs, a.num_steps, a.seed, a.total_timesteps, a.target_return)))
+    print(json.dumps(train(a.num_envs, a.num_steps, a.seed, a.total_timesteps, a.target_return, num_seeds=a.num_seeds)))
