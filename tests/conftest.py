@@ -114,6 +114,13 @@ def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=No
     )
 
 
+def torchrun(*args, cwd, timeout=300, procs: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node procs ARGS` in `cwd`, one OpenMP thread per process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def call_main(script: str, *flags, cwd) -> subprocess.CompletedProcess:
     """`python <script>.py <flags>` in this process: the script's main() with sys.argv set, in `cwd`; its exit code and
     what it printed, as run_script returns them (an interpreter start-up, ~3 s on a 2-core CI machine, saved per call).

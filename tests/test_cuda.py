@@ -5,7 +5,6 @@ when this file last ran on a GPU and what it found."""
 
 import glob
 import os
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from conftest import (
     run_script,
     small_args,
     stopped_and_resumed,
+    torchrun,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -103,12 +103,8 @@ def test_a_model_trained_on_cuda_is_evaluated_on_the_cpu(tmp_path):
 
 
 def test_torchrun_on_one_gpu_trains_with_nccl(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--device", "cuda", "--total-timesteps", "16384",
-               "--no-progress-bar", "--eval-episodes", "2"]  # fmt: skip
-    import subprocess
-
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = torchrun(os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--device", "cuda", "--total-timesteps", "16384",
+                      "--no-progress-bar", "--eval-episodes", "2", cwd=tmp_path, procs=1)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
     summary = read_json(path)

@@ -3,22 +3,15 @@
 import glob
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 from dp_worker import fixed_batch, update_batches, updated
 
-from conftest import ROOT, assert_close, import_script, interrupt_after_an_iteration, read_json
+from conftest import ROOT, assert_close, import_script, interrupt_after_an_iteration, read_json, torchrun
 
 P = import_script("ppo_cartpole_gpu")
-
-
-def torchrun(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
