@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import FrozenInstanceError, asdict, dataclass, replace
 from datetime import timedelta
 from typing import NamedTuple, Optional
 
@@ -58,7 +58,7 @@ from tqdm import tqdm
 THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
 
-@dataclass
+@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
 class Args:
     # Algorithm: a --resume keeps these as the checkpoint has them
     env_id: str = "Breakout-v5"
@@ -377,13 +377,18 @@ def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, a
     loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if dist.is_initialized():  # data parallel under torchrun: each gradient becomes the ranks' mean
-        grads = [p.grad for p in agent.parameters() if p.grad is not None]
-        for grad, mean in zip(grads, mean_over_ranks(grads)):
-            grad.copy_(mean)
+    average_gradients(agent)  # data parallel under torchrun
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
     return stats
+
+
+def average_gradients(module: nn.Module) -> None:
+    """Under torchrun each gradient of `module` becomes the ranks' mean, in one all-reduce (in one process: nothing).
+    Call it between `backward()` and `step()` for a network you train besides the agent, or its ranks drift apart."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    for grad, mean in zip(grads, mean_over_ranks(grads)):
+        grad.copy_(mean)  # in one process the same tensor: a no-op
 
 
 def mean_over_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -604,7 +609,7 @@ class Run(contextlib.AbstractContextManager):
                              solved_seconds=None, target_reached=False)  # fmt: skip
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
-        self.handlers, self.stop_signal, self.checkpointed, self.next_check = {}, 0, -1, 0
+        self.handlers, self.stop_signal, self.checkpointed, self.next_check, self.diverged = {}, 0, -1, 0, set()
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
@@ -640,8 +645,9 @@ class Run(contextlib.AbstractContextManager):
             obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
             anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
             self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{anew}")
-        for tensor in agent.state_dict().values() if self.world_size > 1 else ():
-            dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
+        for v in self.shared().values() if self.world_size > 1 else ():  # every rank starts from rank 0's weights,
+            for tensor in [v] if torch.is_tensor(v) else v.state_dict().values():  # statistics and your state
+                dist.broadcast(tensor, src=0)
         if self.rank == 0:
             if a.track:
                 self.wandb = importlib.import_module("wandb")
@@ -668,6 +674,19 @@ class Run(contextlib.AbstractContextManager):
         self.stop_signal = self.stop_signal or signum
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
         self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
+
+    def shared(self) -> dict:
+        """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `start`."""
+        return {k: v for k, v in self.stateful.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
+
+    def greedy(self, play, *args):
+        """`play(agent, *args)` (an evaluation, a video) with the agent in eval mode (dropout off), then back in train
+        mode, which the rollout and the loss keep."""
+        self.agent.eval()
+        try:
+            return play(self.agent, *args)
+        finally:
+            self.agent.train()
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
@@ -719,7 +738,7 @@ class Run(contextlib.AbstractContextManager):
         interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
-            if record_video(self.agent, self.envs, rollout, self.args, path) and self.wandb is not None:
+            if self.greedy(record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
                 self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
         if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
             self.save_checkpoint()
@@ -734,7 +753,7 @@ class Run(contextlib.AbstractContextManager):
             return not self.args.eval_episodes  # without an evaluation the training episodes decide
         start, self.next_check = time.perf_counter(), self.counters["episodes"] + 100
         self.note(f"the last 100 episodes' mean return {mean:.1f} reached the target: evaluating the policy to confirm")
-        self.eval_returns = evaluate(self.agent, self.envs, self.args, None) if self.rank == 0 else [-math.inf]
+        self.eval_returns = self.greedy(evaluate, self.envs, self.args, None) if self.rank == 0 else [-math.inf]
         ok = torch.tensor(float(np.mean(self.eval_returns) >= target), device=self.device)
         if self.world_size > 1:  # the ranks stop together
             dist.broadcast(ok, src=0)
@@ -751,6 +770,14 @@ class Run(contextlib.AbstractContextManager):
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
+        if self.world_size > 1:  # what trains besides the agent stays alike on every rank only if told to: say so
+            sums = {k: float(sum(p.double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
+                    for k, v in self.shared().items()}  # fmt: skip
+            dist.all_gather_object(every := [None] * self.world_size, sums)
+            for k in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in self.diverged]:
+                self.diverged.add(k)
+                fix = f"average_gradients({k}) between backward() and step(), docs/modifying.md"
+                self.note(f"{k} differs between the torchrun ranks (average its gradients: {fix}); rank 0's is saved")
         if self.rank == 0:
             checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
                 "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
@@ -803,7 +830,7 @@ class Run(contextlib.AbstractContextManager):
             with contextlib.suppress(KeyboardInterrupt):  # the evaluation that confirmed the target, unless filmed
                 if not (reuse := c["target_reached"] and video is None):
                     self.note(f"evaluating the policy on {a.eval_episodes} episodes")
-                s["eval_returns"] = self.eval_returns if reuse else evaluate(self.agent, self.envs, a, video)
+                s["eval_returns"] = self.eval_returns if reuse else self.greedy(evaluate, self.envs, a, video)
                 s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
                 if video and os.path.exists(video) and self.wandb is not None:
@@ -900,6 +927,8 @@ def main() -> None:
         sys.exit(2)
     except FloatingPointError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
+    except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
+        sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
     except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
         signum, checkpoint = (e.args[0], ", with a checkpoint") if e.args else (signal.SIGINT, "")
         if int(os.environ.get("RANK", "0")) == 0:

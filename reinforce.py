@@ -37,8 +37,10 @@ import signal
 import sys
 import threading
 import time
+import traceback
+import warnings
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import FrozenInstanceError, asdict, dataclass, replace
 from datetime import timedelta
 from typing import Literal, NamedTuple, Optional
 
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -56,7 +59,7 @@ from tqdm import tqdm
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
-@dataclass
+@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
 class Args:
     # Algorithm: a --resume keeps these as the checkpoint has them
     env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
@@ -94,6 +97,8 @@ class Args:
     """CPU threads for torch (ignored on GPU); 0: one below 1024 envs (ops too small to share), else one per core"""
     compile: bool = False
     """torch.compile the rollout, batch preparation and gradient step (iteration 1 compiles: not counted in SPS)"""
+    cuda_graph: bool = False
+    """on a GPU, record a 10-step rollout chunk once as a CUDA graph and replay it (the update: as written)"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -369,13 +374,18 @@ def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, a
     loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if dist.is_initialized():  # data parallel under torchrun: each gradient becomes the ranks' mean
-        grads = [p.grad for p in agent.parameters() if p.grad is not None]
-        for grad, mean in zip(grads, mean_over_ranks(grads)):
-            grad.copy_(mean)
+    average_gradients(agent)  # data parallel under torchrun
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
     return stats
+
+
+def average_gradients(module: nn.Module) -> None:
+    """Under torchrun each gradient of `module` becomes the ranks' mean, in one all-reduce (in one process: nothing).
+    Call it between `backward()` and `step()` for a network you train besides the agent, or its ranks drift apart."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    for grad, mean in zip(grads, mean_over_ranks(grads)):
+        grad.copy_(mean)  # in one process the same tensor: a no-op
 
 
 def mean_over_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -385,72 +395,6 @@ def mean_over_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     flat = torch.cat([t.detach().flatten() for t in tensors])
     dist.all_reduce(flat)
     return [m.view_as(t) for t, m in zip(tensors, (flat / dist.get_world_size()).split([t.numel() for t in tensors]))]
-
-
-class LossOf(nn.Module):
-    """`loss_fn(agent, args, minibatch)` as a module holding the agent, for torch.func.functional_call to swap in the
-    parameters it differentiates: the compiled gradient step's loss gets the real Agent, as the eager one's does."""
-
-    def __init__(self, agent: nn.Module, loss_fn, args):
-        super().__init__()
-        self.agent, self.loss_fn, self.args = agent, loss_fn, args
-
-    def forward(self, minibatch):
-        return self.loss_fn(self.agent, self.args, minibatch)
-
-
-def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
-    """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph: it cuts
-    `loss.backward()` and `optimizer.step()` apart (3x slower here), so torch.func.grad gives the gradients and the
-    clipping and plain Adam's update are written out, on the optimizer's own state (which the eager path shares)."""
-    group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
-    params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
-    for p in params.values():
-        if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
-            optimizer.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
-                                      exp_avg_sq=torch.zeros_like(p))  # fmt: skip
-
-    def step(lr, batch, idx=None):
-        minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
-        loss = lambda p, mb: torch.func.functional_call(loss_of, p, (mb,))
-        grads, stats = torch.func.grad(loss, has_aux=True)(params, minibatch)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-        clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-        with torch.no_grad():
-            for p, g in zip(params.values(), grads.values()):
-                s, g = optimizer.state[p], g * clip  # the optimizer's state as it is now (--resume replaces it)
-                s["step"] += 1
-                s["exp_avg"].lerp_(g, 1 - beta1)  # m = β1 m + (1 - β1) g
-                s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2 v + (1 - β2) g²
-                denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt() + eps
-                p.sub_(lr / (1 - beta1 ** s["step"]) * s["exp_avg"] / denom)
-        return stats
-
-    return step
-
-
-def writes_out(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `functional_gradient_step` can take the compiled step: plain Adam in one param group (the update it
-    writes out), no parameter in two places (torch.func.grad cannot differentiate a shared module compiled) and one
-    process (under torchrun `gradient_step` all-reduces the gradients between `backward()` and `step()`)."""
-    group, uses = optimizer.param_groups[0], len(list(agent.named_parameters(remove_duplicate=False)))
-    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
-    alone = not dist.is_initialized() or dist.get_world_size() == 1
-    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters())) and alone
-
-
-def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
-    """`phases` (functions of tensors) and `step(batch, idx)`, one gradient step: as written, or with --compile each
-    torch.compile'd into a single graph (fullgraph: a graph break is an error, not a silent slowdown)."""
-    if not args.compile:
-        return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
-    compile = functools.partial(torch.compile, fullgraph=True)
-    if not writes_out(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's own step()
-        return *map(compile, phases), functools.partial(gradient_step, agent, optimizer, compile(loss_fn), args)
-    step = compile(functional_gradient_step(agent, optimizer, loss_fn, args))
-    group, device = optimizer.param_groups[0], next(agent.parameters()).device
-    # the annealed learning rate goes in as a tensor: as a float it would be a constant, recompiled each iteration
-    return *map(compile, phases), lambda *batch_idx: step(torch.tensor(group["lr"], device=device), *batch_idx)
 
 
 def train(args: Args, envs=None) -> Agent:
@@ -466,13 +410,14 @@ def train(args: Args, envs=None) -> Agent:
         # the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
-        # the hot phases: as written, or torch.compile'd with --compile
-        collect, step = hot_phases(agent, optimizer, reinforce_loss, args, collect_rollout)
         storage = Rollout.empty(args.num_steps, args.num_envs, envs.obs_dim, device)
         total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
         # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes in
         # by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a state_dict()
         run.start(agent, envs, optimizer, total_steps)
+        # the hot phases as written, or compiled with --compile: built on the restored state, after `run.start`
+        collect, step = hot_phases(agent, optimizer, reinforce_loss, args, collect_rollout)
+        collect = cuda_graph(collect, run, None, envs, agent)  # on a GPU each 10-step chunk is one CUDA graph
         while run.counters["global_step"] < total_steps:
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
@@ -481,8 +426,11 @@ def train(args: Args, envs=None) -> Agent:
             # each env's first episode only: an unbiased sample of the policy's episodes (see the module docstring)
             first = first_episodes(rollout.dones)
             returns = compute_returns(rollout.rewards, rollout.dones, args.gamma)
-            # the update: one gradient step on the whole batch
-            stats = step(Batch(rollout.obs[first], rollout.actions[first], returns[first]))
+            # the update: one gradient step on the whole batch, whose size varies (--compile: one graph for every size
+            batch = Batch(rollout.obs[first], rollout.actions[first], returns[first])  # from the first, as if resumed)
+            for x in batch if args.compile else ():
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+            stats = step(batch)
             # log the same episodes (Run counts those that end where `dones` is set); every simulated step counts
             if run.log(steps * args.num_envs, stats, rollout._replace(dones=rollout.dones & first)):
                 break
@@ -521,11 +469,11 @@ def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
     """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
     if envs is None:
         env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
-        return env_class(args.num_envs, device, args.seed + rank)
+        envs = env_class(args.num_envs, device, args.seed + rank)
     if envs.num_envs != args.num_envs:
         raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
-    if args.capture_video and not isinstance(envs, CartPole):
-        raise UsageError("--capture-video draws CartPole states; this env is not a CartPole")
+    if args.capture_video and not isinstance(envs, CartPole):  # `draw` pictures a cart and a pole
+        raise UsageError(f"--capture-video draws CartPole states; {type(envs).__name__} is not a CartPole")
     return envs
 
 
@@ -618,6 +566,247 @@ def video_writer(path: str, fps: int):
     return imageio.get_writer(path, fps=fps, macro_block_size=2)  # odd sides padded to even, as H.264 needs
 
 
+# Fast paths: compile, one CUDA graph per iteration; identical in the four tensor scripts
+class LossOf(nn.Module):
+    """`loss_fn(agent, args, minibatch)` as a module whose parameters torch.func.functional_call swaps: the loss gets
+    the real Agent compiled too."""
+
+    def __init__(self, agent: nn.Module, loss_fn, args):
+        super().__init__()
+        self.agent, self.loss_fn, self.args = agent, loss_fn, args
+
+    def forward(self, minibatch):
+        return self.loss_fn(self.agent, self.args, minibatch)
+
+
+def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
+    """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph (it cuts
+    `backward()` and `step()` apart: 3x slower here): torch.func.grad's gradients, clipped, in plain Adam's update
+    written out on the optimizer's own state and settings (built after `run.start` has loaded them)."""
+    group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
+    params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
+    for p in params.values():
+        if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
+            optimizer.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
+                                      exp_avg_sq=torch.zeros_like(p))  # fmt: skip
+
+    def step(lr, batch, idx=None):
+        minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
+        loss = lambda p, mb: torch.func.functional_call(loss_of, p, (mb,))
+        grads, stats = torch.func.grad(loss, has_aux=True)(params, minibatch)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for p, g in zip(params.values(), grads.values()):
+                s, g = optimizer.state[p], g * clip  # the optimizer's state as it is now
+                s["step"] += 1
+                s["exp_avg"].lerp_(g, 1 - beta1)  # m = β1 m + (1 - β1) g
+                s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2 v + (1 - β2) g²
+                denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt() + eps
+                p.sub_(lr / (1 - beta1 ** s["step"]) * s["exp_avg"] / denom)
+        return stats
+
+    return step
+
+
+def writes_out(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `functional_gradient_step` can take the step: plain Adam in one param group (what it writes out), no
+    parameter in two places (torch.func.grad cannot, compiled) and one process (it does not all-reduce)."""
+    group, uses = optimizer.param_groups[0], len(list(agent.named_parameters(remove_duplicate=False)))
+    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
+    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters())) and alone
+
+
+def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
+    """`phases` (functions of tensors) and `step(batch, idx)`, one gradient step: as written, or with --compile each
+    compiled into a single graph (`compiled`)."""
+    if not args.compile:
+        return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
+    torch._inductor.config.fallback_random = True  # random ops (dropout) draw as eager ones do: the same numbers
+    if not writes_out(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's own step()
+        return *map(compiled, phases), functools.partial(gradient_step, agent, optimizer, compiled(loss_fn), args)
+    step, device = compiled(functional_gradient_step(agent, optimizer, loss_fn, args)), next(agent.parameters()).device
+
+    def compiled_step(*batch_idx):  # the rate as the param group has it now (--resume replaces the groups), in a
+        lr = optimizer.param_groups[0]["lr"]  # tensor: as a float it would be a constant, recompiled every iteration
+        return step(lr if torch.is_tensor(lr) else torch.tensor(lr, device=device), *batch_idx)
+
+    return *map(compiled, phases), compiled_step
+
+
+def compiled(fn):
+    """torch.compile'd `fn` as one graph (fullgraph: a break is an error, not a silent slowdown); what stops it ends
+    the run in one line (a host read, a branch on a tensor's value, a value changing at every call)."""
+    graph = torch.compile(fn, fullgraph=True)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return graph(*args, **kwargs)
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            cause, where = lines[0], [f" ({line})" for line in lines if line.startswith("File ")][-1:]  # your line
+            if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):  # dynamo's last reason: the guard that failed
+                reasons = max(torch._dynamo.utils.guard_failures.values(), key=len, default=[])
+                guard = " ".join(reasons[-1].split("User stack trace")[0].split()) if reasons else "a value changed"
+                cause = f"it compiles again at every call, as {guard}"
+            raise UsageError(f"--compile: {cause}{''.join(where)}; see docs/modifying.md#compiled-graphs") from None
+
+    return call
+
+
+class HostWatch(torch.overrides.TorchFunctionMode):
+    """Call 1's watch (eager code only: dynamo would trace a mode) for the first torch call that waits for the host or
+    mixes a CPU tensor (a scalar) into CUDA ones: a recording cannot hold the one and would keep the other's value."""
+
+    def __init__(self, graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = func(*args, **(kwargs or {}))
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        devices = {x.device.type for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        if (syncs or {"cpu", "cuda"} <= devices) and not self.graph.reason:  # where: the innermost line not torch's
+            torch_dir = os.path.dirname(torch.__file__)
+            here = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)]
+            why = "it waits for the host" if syncs else "a CPU tensor meets CUDA ones"
+            self.graph.reason = f"{why} at {here[-1].filename}:{here[-1].lineno}"
+        for w in caught if not syncs else ():
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
+
+
+def cuda_graph(fn, run, optimizer: Optional[torch.optim.Optimizer], *holders):
+    """`fn` as a `CudaGraph` on a GPU (with --no-cuda-graph: run the same way, never recorded), else `fn` itself."""
+    return CudaGraph(fn, run, optimizer, holders) if run.device.type == "cuda" else fn
+
+
+class CudaGraph:
+    """`fn` (tensors in and out: an iteration's device work) recorded once as a CUDA graph: its thousands of launches
+    from Python become one. Call 1 runs it as written, watching for host reads; call 2 records it; every call replays
+    it on the memory recorded (inputs and the tensors it leaves on `holders` copied in, outputs cloned). What cannot
+    be recorded runs as written, with a note. Python values are replayed as recorded: what changes must be a tensor."""
+
+    def __init__(self, fn, run, optimizer, holders):
+        self.fn, self.run, self.replay, self.calls = fn, run, None, 0
+        tables = [m._buffers for h in holders if isinstance(h, nn.Module) for m in h.modules()]
+        tables += [vars(h) for h in holders if not isinstance(h, nn.Module)]  # an env's state, a module's buffers
+        self.slots = [(table, k) for table in tables for k, v in table.items() if torch.is_tensor(v)]
+        capturable = optimizer is None or "capturable" in optimizer.defaults
+        self.groups = optimizer.param_groups if optimizer and capturable and run.device.type == "cuda" else []
+        self.lrs = [torch.zeros((), device=run.device) for _ in self.groups]
+        self.reason = None if run.args.cuda_graph else ""  # None: to be recorded; "": not, silently
+        if self.reason is None and not capturable:
+            self.reason = f"{type(optimizer).__name__} has no capturable mode"
+        elif self.reason is None and run.world_size > 1:
+            self.reason = "under torchrun the gradients' all-reduce is not recorded"
+
+    def __call__(self, *args):
+        self.calls += 1
+        leaves, spec = pytree.tree_flatten(args)
+        if self.calls == 2 and self.reason is None:
+            self.start_recording(leaves, spec)
+        if self.reason:  # said once
+            self.run.note(f"--cuda-graph: {self.fn.__name__} runs as written, not as a CUDA graph: {self.reason}")
+            self.reason = ""
+        fits = lambda x, static: x.shape == static.shape if torch.is_tensor(x) else x is static  # noqa: E731
+        if self.replay is None or not all(map(fits, leaves, self.static)):
+            first = self.calls == 1 and self.reason is None and self.run.device.type == "cuda"
+            with self.rates(), self.warm_up() if first else contextlib.nullcontext():
+                return self.fn(*args)
+        for lr, group in zip(self.lrs, self.groups):
+            lr.fill_(group["lr"])
+        for x, static in zip(leaves, self.static):
+            if torch.is_tensor(x) and x is not static:
+                static.copy_(x)
+        self.hold()
+        out = self.replay()
+        for x, static in zip(leaves, self.static):  # what `fn` wrote into its inputs (not into an env's state held)
+            if torch.is_tensor(x) and x is not static and not any(x is held for held in self.static_slots):
+                x.copy_(static)
+        return pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, out)
+
+    def hold(self) -> None:
+        """The holders' tensors, where new ones replaced them (`fn` out of place, a reset), copied into the recorded."""
+        for (table, k), static in zip(self.slots, self.static_slots):
+            if table[k] is not static:
+                table[k] = static.copy_(table[k])
+
+    @contextlib.contextmanager
+    def rates(self):
+        """Learning rates as device tensors, as a replay reads them (and fused Adam rounds: recorded or not, alike)."""
+        saved = [(group["lr"], group["capturable"]) for group in self.groups]
+        for group, lr in zip(self.groups, self.lrs):
+            group["lr"], group["capturable"] = lr.fill_(group["lr"]), True
+        try:
+            yield
+        finally:
+            for group, (lr, capturable) in zip(self.groups, saved):
+                group["lr"], group["capturable"] = lr, capturable
+
+    @contextlib.contextmanager
+    def warm_up(self):
+        """Call 1 on a side stream, as recordings need; a host read in it (torch's own, compiling, aside) stops one."""
+        (stream := torch.cuda.Stream()).wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            watch = contextlib.nullcontext() if self.run.args.compile else HostWatch(self)
+            with torch.cuda.stream(stream), warnings.catch_warnings(record=True) as caught, watch:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.current_stream().wait_stream(stream)
+        for w in caught:
+            if "synchroniz" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            elif not w.filename.startswith(os.path.dirname(torch.__file__)):
+                self.reason = self.reason or f"it waits for the host at {w.filename}:{w.lineno}"
+
+    def start_recording(self, leaves, spec) -> None:
+        """Call 2: `fn` recorded on copies of the inputs and on the holders' tensors as they are (no work is done)."""
+        start, saved = time.perf_counter(), [(table, k, table[k]) for table, k in self.slots]
+        # an input that is one of the holders' tensors (the obs a reset returned) stays that tensor, as in the warm-up:
+        # compiled code is specialised on which inputs alias, and would compile again inside the recording (and fail)
+        self.static_slots = held = [v for *_, v in saved]
+        self.static = [x if any(x is v for v in held) or not torch.is_tensor(x) else x.clone() for x in leaves]
+        cuda = self.run.device.type == "cuda"  # a failed recording leaves torch's CUDA generator unusable: a clone
+        generator = torch.cuda.default_generators[self.run.device.index or 0] if cuda else None
+        rng = generator.clone_state() if cuda else None
+
+        def body():
+            out = self.fn(*pytree.tree_unflatten(self.static, spec))
+            self.hold()  # recorded too: a replay leaves the new state where the next one reads it
+            return out
+
+        try:
+            with self.rates():
+                self.replay = self.record(body)
+        except Exception as e:  # a host read or a CPU tensor during the recording, an op CUDA graphs cannot hold
+            for table, k, v in saved:
+                table[k] = v
+            if cuda:
+                generator.graphsafe_set_state(rng)
+            while e.__context__ is not None:  # the first error: the others followed from it
+                e = e.__context__
+            self.reason = f"recording it failed ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]})"
+            return
+        seconds = time.perf_counter() - start
+        self.run.clock, self.run.setup_seconds = self.run.clock + seconds, self.run.setup_seconds + seconds
+        self.run.note(f"--cuda-graph: recorded {self.fn.__name__} as one CUDA graph in {seconds:.2f} s, not counted")
+
+    def record(self, body):
+        """`body`'s kernels recorded as a CUDA graph (nothing runs); returns its replay (the CPU tests: `body`)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+        return lambda: graph.replay() or out  # replay() returns None
+
+
 # Run management: identical in all five scripts
 class UsageError(Exception):
     """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
@@ -638,7 +827,7 @@ class Run(contextlib.AbstractContextManager):
                              solved_seconds=None, target_reached=False)  # fmt: skip
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
-        self.handlers, self.stop_signal, self.checkpointed, self.next_check = {}, 0, -1, 0
+        self.handlers, self.stop_signal, self.checkpointed, self.next_check, self.diverged = {}, 0, -1, 0, set()
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
@@ -674,8 +863,9 @@ class Run(contextlib.AbstractContextManager):
             obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
             anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
             self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{anew}")
-        for tensor in agent.state_dict().values() if self.world_size > 1 else ():
-            dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights (and statistics)
+        for v in self.shared().values() if self.world_size > 1 else ():  # every rank starts from rank 0's weights,
+            for tensor in [v] if torch.is_tensor(v) else v.state_dict().values():  # statistics and your state
+                dist.broadcast(tensor, src=0)
         if self.rank == 0:
             if a.track:
                 self.wandb = importlib.import_module("wandb")
@@ -702,6 +892,19 @@ class Run(contextlib.AbstractContextManager):
         self.stop_signal = self.stop_signal or signum
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
         self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
+
+    def shared(self) -> dict:
+        """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `start`."""
+        return {k: v for k, v in self.stateful.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
+
+    def greedy(self, play, *args):
+        """`play(agent, *args)` (an evaluation, a video) with the agent in eval mode (dropout off), then back in train
+        mode, which the rollout and the loss keep."""
+        self.agent.eval()
+        try:
+            return play(self.agent, *args)
+        finally:
+            self.agent.train()
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
@@ -753,7 +956,7 @@ class Run(contextlib.AbstractContextManager):
         interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
-            if record_video(self.agent, self.envs, rollout, self.args, path) and self.wandb is not None:
+            if self.greedy(record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
                 self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
         if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
             self.save_checkpoint()
@@ -768,7 +971,7 @@ class Run(contextlib.AbstractContextManager):
             return not self.args.eval_episodes  # without an evaluation the training episodes decide
         start, self.next_check = time.perf_counter(), self.counters["episodes"] + 100
         self.note(f"the last 100 episodes' mean return {mean:.1f} reached the target: evaluating the policy to confirm")
-        self.eval_returns = evaluate(self.agent, self.envs, self.args, None) if self.rank == 0 else [-math.inf]
+        self.eval_returns = self.greedy(evaluate, self.envs, self.args, None) if self.rank == 0 else [-math.inf]
         ok = torch.tensor(float(np.mean(self.eval_returns) >= target), device=self.device)
         if self.world_size > 1:  # the ranks stop together
             dist.broadcast(ok, src=0)
@@ -785,6 +988,14 @@ class Run(contextlib.AbstractContextManager):
         if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
+        if self.world_size > 1:  # what trains besides the agent stays alike on every rank only if told to: say so
+            sums = {k: float(sum(p.double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
+                    for k, v in self.shared().items()}  # fmt: skip
+            dist.all_gather_object(every := [None] * self.world_size, sums)
+            for k in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in self.diverged]:
+                self.diverged.add(k)
+                fix = f"average_gradients({k}) between backward() and step(), docs/modifying.md"
+                self.note(f"{k} differs between the torchrun ranks (average its gradients: {fix}); rank 0's is saved")
         if self.rank == 0:
             checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
                 "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
@@ -837,7 +1048,7 @@ class Run(contextlib.AbstractContextManager):
             with contextlib.suppress(KeyboardInterrupt):  # the evaluation that confirmed the target, unless filmed
                 if not (reuse := c["target_reached"] and video is None):
                     self.note(f"evaluating the policy on {a.eval_episodes} episodes")
-                s["eval_returns"] = self.eval_returns if reuse else evaluate(self.agent, self.envs, a, video)
+                s["eval_returns"] = self.eval_returns if reuse else self.greedy(evaluate, self.envs, a, video)
                 s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
                 if video and os.path.exists(video) and self.wandb is not None:
@@ -934,6 +1145,8 @@ def main() -> None:
         sys.exit(2)
     except FloatingPointError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
+    except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
+        sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
     except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
         signum, checkpoint = (e.args[0], ", with a checkpoint") if e.args else (signal.SIGINT, "")
         if int(os.environ.get("RANK", "0")) == 0:

@@ -7,6 +7,8 @@
    reinforce.py: the weights every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
 4. `update` of ppo_atari_envpool.py and of ppo_mujoco_brax.py on this rank's half of a fixed batch.
+5. `train()` of ppo_cartpole_gpu.py with a second network trained besides the agent, with and without
+   `average_gradients`: both networks' weights (the notes go to torchrun's stderr, which the test saves).
 """
 
 import functools
@@ -57,6 +59,36 @@ def updated(name: str, batch) -> dict:
     return agent.state_dict()
 
 
+def with_a_second_network(args, average: bool) -> dict:
+    """`P.train(args)` with a network trained besides the agent, as in RND (Burda et al. 2018): a predictor fitted after
+    each iteration to a fixed random target on the rollout's observations, both given to `run.start` and built after
+    the seed (`--seed + rank`: they start different on each rank); with `average`, the predictor's gradients go
+    through `average_gradients`. Returns both networks' final weights."""
+    real_start, real_log, nets = P.Run.start, P.Run.log, {}
+
+    def start(self, *a, **k):
+        nets["target"], nets["predictor"] = P.mlp(4, 8, out_std=1.0), P.mlp(4, 8, out_std=1.0)
+        nets["optimizer"] = torch.optim.Adam(nets["predictor"].parameters(), lr=1e-2)
+        return real_start(self, *a, **k, target=nets["target"], predictor=nets["predictor"])
+
+    def log(self, env_steps, stats, rollout):
+        obs = rollout.obs.flatten(0, 1)
+        loss = (nets["predictor"](obs) - nets["target"](obs).detach()).square().mean()
+        nets["optimizer"].zero_grad()
+        loss.backward()
+        if average:
+            P.average_gradients(nets["predictor"])
+        nets["optimizer"].step()
+        return real_log(self, env_steps, stats, rollout)
+
+    P.Run.start, P.Run.log = start, log
+    try:
+        P.train(args)
+    finally:
+        P.Run.start, P.Run.log = real_start, real_log
+    return {name: nets[name].state_dict() for name in ("target", "predictor")}
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -81,6 +113,9 @@ def main(out: str) -> None:
     torch.save(agent.state_dict(), os.path.join(out, f"train_rank{rank}.pt"))
     compiled = P.train(replace(args, compile=True, exp_name="compiled"))  # the compiled loss, all-reduced gradients
     torch.save(compiled.state_dict(), os.path.join(out, f"train_compiled_rank{rank}.pt"))
+    for average in (False, True):
+        nets = with_a_second_network(replace(args, exp_name=f"second_averaged{int(average)}"), average)
+        torch.save(nets, os.path.join(out, f"second_averaged{int(average)}_rank{rank}.pt"))
     for module, steps in ((V, 8), (R, 500)):  # VPG and REINFORCE run data parallel too
         args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
                            eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip

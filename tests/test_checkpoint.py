@@ -12,6 +12,7 @@ from dataclasses import replace
 import imageio_ffmpeg
 import pytest
 import torch
+import torch._dynamo
 
 from conftest import (
     ROOT,
@@ -31,12 +32,16 @@ from conftest import (
 
 
 @pytest.mark.behaviour
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_stopped_run_resumed_equals_one_run(script, in_tmp, monkeypatch):
+def test_a_stopped_run_resumed_equals_one_run(script, compile, in_tmp, monkeypatch):
     """Stopped by SIGTERM after 3 iterations and resumed, a run logs the same scalars at the same steps and ends
-    with the same weights, evaluation and bookkeeping as one run straight through (the LR annealed over both)."""
+    with the same weights, evaluation and bookkeeping as one run straight through (the LR annealed over both),
+    eager and with --compile. Before, a compiled run resumed took the first rate of the run at every step (its step
+    held the optimizer's param group from before `run.start` replaced it), ending up to 0.47 away."""
     module = import_script(script)
-    whole, resumed, stopped = stopped_and_resumed(module, small_args(module), in_tmp, monkeypatch)
+    torch._dynamo.reset()  # each run compiles as a new process would
+    whole, resumed, stopped = stopped_and_resumed(module, small_args(module, compile=compile), in_tmp, monkeypatch)
     assert stopped["status"] == "interrupted" and stopped["iterations"] == 3
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
@@ -218,14 +223,17 @@ def test_brax_resume_restores_agent_normaliser_optimizer_and_reward_scaler(in_tm
     assert len(saved["ranks"][0]["envs"]["leaves"]) > 4  # the physics states, episode counters and random key
 
 
-def test_a_stopped_brax_run_resumed_equals_one_run(in_tmp, monkeypatch):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_stopped_brax_run_resumed_equals_one_run(compile, in_tmp, monkeypatch):
     """Brax's envs save their physics states (every array of the state pytree), and the reward scaler its running
-    returns: a run stopped after 3 iterations and resumed ends with one run's weights, bit for bit. Before, the
-    resumed run reset every env and the scaler's returns, and the weights differed (by up to 6e-4 here)."""
+    returns: a run stopped after 3 iterations and resumed ends with one run's weights, bit for bit, eager and with
+    --compile. Before, the resumed run reset every env and the scaler's returns, and the weights differed (by up to
+    6e-4 here); compiled, it also kept the first learning rate."""
     B = import_script("ppo_mujoco_brax")
     args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
                   total_timesteps=16 * 10 * 6, target_return=None, progress_bar=False, eval_episodes=0,
-                  device="cpu")  # fmt: skip
+                  device="cpu", compile=compile)  # fmt: skip
+    torch._dynamo.reset()
     whole, resumed, stopped = stopped_and_resumed(B, args, in_tmp, monkeypatch)
     assert stopped["iterations"] == 3
     for name, tensor in whole.state_dict().items():

@@ -5,9 +5,11 @@ when this file last ran on a GPU and what it found."""
 
 import glob
 import os
+from dataclasses import replace
 
 import pytest
 import torch
+import torch._dynamo
 
 from conftest import (
     ROOT,
@@ -17,6 +19,7 @@ from conftest import (
     read_json,
     run_dir,
     run_script,
+    scalars,
     small_args,
     stopped_and_resumed,
     torchrun,
@@ -104,8 +107,9 @@ def test_a_model_trained_on_cuda_is_evaluated_on_the_cpu(tmp_path):
 
 def test_torchrun_on_one_gpu_trains_with_nccl(tmp_path):
     result = torchrun(os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--device", "cuda", "--total-timesteps", "16384",
-                      "--no-progress-bar", "--eval-episodes", "2", cwd=tmp_path, procs=1)  # fmt: skip
+                      "--no-progress-bar", "--eval-episodes", "2", "--cuda-graph", cwd=tmp_path, procs=1)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "recorded one_iteration as one CUDA graph" in result.stderr  # one rank: nothing to all-reduce
     (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
     summary = read_json(path)
     assert summary["world_size"] == 1 and summary["status"] == "completed"
@@ -129,3 +133,93 @@ def test_brax_on_the_gpu_hands_arrays_to_torch_without_a_copy(in_tmp, monkeypatc
     B.train(args)
     summary = read_json(os.path.join(glob.glob("runs/*")[0], "summary.json"))
     assert summary["status"] == "completed" and summary["device"] == "cuda"
+
+
+# --cuda-graph: one CUDA graph per iteration ---------------------------------------------------
+def recorded_and_not(module, args, tmp, capsys, **changes):
+    """`args` trained with --cuda-graph (experiment "graph") and with --no-cuda-graph ("loop") on cuda; returns the
+    two agents and the notes of the recorded run."""
+    torch._dynamo.reset()
+    graphed = module.train(replace(args, cuda_graph=True, exp_name="graph", **changes))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--cuda-graph" in line]
+    torch._dynamo.reset()
+    return graphed, module.train(replace(args, cuda_graph=False, exp_name="loop", **changes)), notes
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_recorded_run_equals_the_loop_on_cuda(name, compile, in_tmp, capsys):
+    """The iteration (REINFORCE: each rollout chunk) recorded once and replayed gives the loop's scalars, bit for bit:
+    the same kernels on the same numbers, the permutations and the dropout-free policy's noise drawn alike."""
+    if compile and name != "ppo_cartpole_gpu":
+        pytest.skip("compiled: PPO's phases stand for the others' (the same hot_phases)")
+    module = import_script(name)
+    graphed, loop, notes = recorded_and_not(module, small_args(module, device="cuda"), in_tmp, capsys, compile=compile)
+    fn = "collect_rollout" if name == "reinforce" else "one_iteration"
+    assert len(notes) == 1 and notes[0].startswith(f"note: --cuda-graph: recorded {fn} as one CUDA graph"), notes
+    for key, value in loop.state_dict().items():
+        assert torch.equal(value, graphed.state_dict()[key]), key
+    assert scalars(run_dir(in_tmp, "graph")) == scalars(run_dir(in_tmp, "loop"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_recorded_run_stopped_and_resumed_equals_one_run_on_cuda(name, in_tmp, monkeypatch):
+    """Bit for bit, with a tensor given to `run.start` and changed in place after every iteration (the loss reads it):
+    the replays see it change, and the resumed run records again on the restored state."""
+    from test_modifications import adaptive_penalty
+
+    module = import_script(name)
+    box = adaptive_penalty(module, monkeypatch)
+    whole, resumed, _ = stopped_and_resumed(module, small_args(module, device="cuda", cuda_graph=True), in_tmp,
+                                            monkeypatch)  # fmt: skip
+    assert box["beta"].item() == 1.5**6
+    for key, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[key]), key
+    assert scalars(run_dir(in_tmp, "cut")) == scalars(run_dir(in_tmp, "whole"))
+
+
+@pytest.mark.parametrize("change", ["item", "target_kl", "cpu_scalar"])
+def test_a_host_read_in_the_iteration_runs_it_as_written_with_a_note(change, in_tmp, monkeypatch, capsys):
+    """A loss that reads a value back to the host (`.item()`), --target-kl's early stop (a host read per epoch), or a
+    CPU scalar tensor in the loss (a recording would keep its value): the warm-up iteration sees it, the run says
+    where it is once, and goes on as written: the loop's numbers."""
+    module = import_script("ppo_cartpole_gpu")
+    real_loss, coef = module.ppo_loss, torch.tensor(1.0)
+
+    def loss_fn(agent, args, batch):
+        loss, stats = real_loss(agent, args, batch)
+        if change == "cpu_scalar":
+            return coef * loss, stats
+        return loss * (1.0 if loss.item() == loss.item() else 0.0), stats  # the host read
+
+    if change != "target_kl":
+        monkeypatch.setattr(module, "ppo_loss", loss_fn)
+    args = small_args(module, device="cuda", target_kl=1e-2 if change == "target_kl" else None)
+    graphed, loop, notes = recorded_and_not(module, args, in_tmp, capsys)
+    why = "a CPU tensor meets CUDA ones at " if change == "cpu_scalar" else "it waits for the host at "
+    assert len(notes) == 1 and f"one_iteration runs as written, not as a CUDA graph: {why}" in notes[0], notes
+    assert ("ppo_cartpole_gpu.py" if change == "target_kl" else "test_cuda.py") in notes[0], notes
+    for key, value in loop.state_dict().items():
+        assert torch.equal(value, graphed.state_dict()[key]), key
+
+
+def test_brax_records_the_batch_and_the_update_on_cuda(in_tmp, capsys):
+    """Brax's envs step in JAX (on the GPU); the batch preparation and the update are one CUDA graph: bit for bit."""
+    B = import_script("ppo_mujoco_brax")
+    args = B.Args(env_id="inverted_pendulum", num_envs=256, num_steps=16, total_timesteps=256 * 16 * 4,
+                  eval_episodes=0, progress_bar=False, device="cuda", target_return=None)  # fmt: skip
+    graphed, loop, notes = recorded_and_not(B, args, in_tmp, capsys)
+    assert len(notes) == 1 and "recorded learn as one CUDA graph" in notes[0], notes
+    for key, value in loop.state_dict().items():
+        assert torch.equal(value, graphed.state_dict()[key]), key
+
+
+def test_the_same_seed_trains_alike_in_two_processes_on_cuda(tmp_path):
+    """Two processes, one seed, 20 iterations of the defaults on the GPU: the same scalars (before: 475 reached at
+    94,208 steps in one process and 98,304 in another)."""
+    flags = ["--device", "cuda", "--total-timesteps", "40960", "--target-return", "None", "--eval-episodes", "0",
+             "--no-progress-bar", "--cuda-graph"]  # fmt: skip
+    for name in ("first", "second"):
+        result = run_script("ppo_cartpole_gpu", *flags, "--exp-name", name, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert scalars(run_dir(tmp_path, "first")) == scalars(run_dir(tmp_path, "second"))

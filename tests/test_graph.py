@@ -1,0 +1,122 @@
+"""--cuda-graph, on the CPU: each iteration's device work run the way a CUDA graph replays it (on the inputs and the
+env's tensors it was recorded on, copied in; the state it changes copied back; outputs cloned), by a `CudaGraph` whose
+`record` returns `body` itself, so every replay runs it again over the recorded memory. Scalar for scalar it must
+equal the plain loop: what this cannot show (the recording itself, the host-read watch) is tests/test_cuda.py's."""
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from test_modifications import adaptive_penalty
+
+from conftest import (
+    SCRIPTS,
+    import_script,
+    origin,
+    read_json,
+    run_dir,
+    scalars,
+    small_args,
+    stopped_and_resumed,
+)
+
+
+def replayed_on_the_cpu(module, monkeypatch, record=lambda self, body: body) -> None:
+    """`cuda_graph` builds a `CudaGraph` on the CPU too, recording by `record` (by default: replay = run `body`)."""
+    monkeypatch.setattr(module, "cuda_graph", lambda fn, run, opt, *holders: module.CudaGraph(fn, run, opt, holders))
+    monkeypatch.setattr(module.CudaGraph, "record", record)
+
+
+def assert_same_run(tmp, a: str, b: str) -> None:
+    """Two runs (experiment names) logged the same scalars at the same steps and evaluated alike."""
+    assert scalars(run_dir(tmp, a)) == scalars(run_dir(tmp, b))
+    summaries = [read_json(os.path.join(run_dir(tmp, name), "summary.json")) for name in (a, b)]
+    assert summaries[0]["eval_returns"] == summaries[1]["eval_returns"]
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_iteration_replayed_on_its_recorded_memory_equals_the_loop(name, in_tmp, monkeypatch, capsys):
+    """PPO and VPG replay the whole iteration (rollout, batch, update), REINFORCE each 10-step rollout chunk (whose
+    views into the rollout storage differ at every call: copied in and back), over the env's state tensors recorded
+    (REINFORCE's reset between rollouts gives new ones: copied in)."""
+    module = import_script(name)
+    args = small_args(module, cuda_graph=True)
+    plain = module.train(replace(args, exp_name="plain"))
+    replayed_on_the_cpu(module, monkeypatch)
+    replayed = module.train(replace(args, exp_name="replayed"))
+    fn = "collect_rollout" if origin(name) == "reinforce" else "one_iteration"
+    assert f"note: --cuda-graph: recorded {fn} as one CUDA graph" in capsys.readouterr().err
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, replayed.state_dict()[key]), key
+    assert_same_run(in_tmp, "plain", "replayed")
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_replayed_run_stopped_and_resumed_equals_one_run(name, in_tmp, monkeypatch):
+    """The resumed run records again on the restored state (the recording comes after `run.start`); with a tensor
+    given to `run.start` and changed in place after each iteration (a KL-penalty coefficient the loss reads), which a
+    replay must see change: a value the loss had copied at the recording would freeze it."""
+    module = import_script(name)
+    box = adaptive_penalty(module, monkeypatch)
+    replayed_on_the_cpu(module, monkeypatch)
+    whole, resumed, stopped = stopped_and_resumed(module, small_args(module, cuda_graph=True), in_tmp, monkeypatch)
+    assert (
+        stopped["iterations"] == 3
+        and box["beta"].item() == 1.5 ** read_json(os.path.join(run_dir(in_tmp, "cut"), "summary.json"))["iterations"]
+    )
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    assert scalars(run_dir(in_tmp, "cut")) == scalars(run_dir(in_tmp, "whole"))
+
+
+def test_compiled_phases_replayed_equal_the_compiled_loop(in_tmp, monkeypatch):
+    """With --compile the compiled rollout, batch and one-graph gradient step run inside the recording."""
+    module = import_script("ppo_cartpole_gpu")
+    args = small_args(module, cuda_graph=True, compile=True)
+    torch._dynamo.reset()
+    module.train(replace(args, exp_name="plain"))
+    replayed_on_the_cpu(module, monkeypatch)
+    module.train(replace(args, exp_name="replayed"))
+    assert_same_run(in_tmp, "plain", "replayed")
+
+
+def test_brax_replays_the_batch_and_the_update(in_tmp, monkeypatch):
+    """Brax's envs step in JAX: the batch preparation and the update are what it records, on the rollout buffers."""
+    module = import_script("ppo_mujoco_brax")
+    args = module.Args(env_id="inverted_pendulum", num_envs=16, num_steps=8, num_minibatches=2, device="cpu",
+                       total_timesteps=16 * 8 * 3, target_return=None, progress_bar=False, eval_episodes=0,
+                       cuda_graph=True)  # fmt: skip
+    module.train(replace(args, exp_name="plain"))
+    replayed_on_the_cpu(module, monkeypatch)
+    module.train(replace(args, exp_name="replayed"))
+    assert_same_run(in_tmp, "plain", "replayed")
+
+
+@pytest.mark.parametrize("trouble", ["sgd", "recording fails"])
+def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, monkeypatch, capsys):
+    """An optimizer without a capturable mode (SGD: its learning rate would be frozen into the graph), or a recording
+    that fails (here: as a host read in it would, on a GPU): the iteration runs as written, the run says why once,
+    and its numbers are the plain loop's (a failed recording leaves the env's tensors as they were)."""
+    module = import_script("ppo_cartpole_gpu")
+    if trouble == "sgd":
+        sgd = lambda params, lr, **kwargs: torch.optim.SGD(params, lr=lr)  # noqa: E731
+        monkeypatch.setattr(module.torch.optim, "Adam", sgd)
+    args = small_args(module, cuda_graph=True)
+    module.train(replace(args, exp_name="plain"))
+
+    def failing(self, body):  # as a recording: the env's tensors replaced by ones never computed, then the error
+        for table, key in self.slots:
+            table[key] = torch.full_like(table[key], 3)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    replayed_on_the_cpu(module, monkeypatch, failing if trouble == "recording fails" else lambda self, body: body)
+    capsys.readouterr()
+    module.train(replace(args, exp_name="replayed"))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--cuda-graph" in line]
+    failed = "recording it failed (CUDA error: operation not permitted when stream is capturing)"
+    why = {"sgd": "SGD has no capturable mode", "recording fails": failed}
+    assert notes == [f"note: --cuda-graph: one_iteration runs as written, not as a CUDA graph: {why[trouble]}"]
+    assert_same_run(in_tmp, "plain", "replayed")
