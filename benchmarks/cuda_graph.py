@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--scripts", nargs="+", default=["ppo_cartpole_gpu"])
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 4096, 65536])
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--iterations", type=int, default=200, help="per run; the first (run as written) is counted")
     parser.add_argument("--no-jax", action="store_true", help="leave out the JAX peer")
     a = parser.parse_args()
     print(f"# {machine()}; {' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])}", flush=True)

@@ -5,6 +5,8 @@
 #                                                  # at its defaults and at 4096 envs, Brax inverted_pendulum on JAX's GPU
 #   bash benchmarks/gpu_checklist.sh cartpole      # env steps/s up to 1M envs; eager / --compile / CUDA graphs / JAX
 #   bash benchmarks/gpu_checklist.sh brax          # ant: ppo_mujoco_brax.py against Brax's own PPO
+#   bash benchmarks/gpu_checklist.sh graph         # --cuda-graph against the loop and the JAX peer (PPO: 128 to 65,536
+#                                                  # envs, eager and compiled; VPG and REINFORCE at 4,096)
 set -u
 LOGS=${LOGS:-gpu_logs}
 mkdir -p "$LOGS"
@@ -46,8 +48,14 @@ cartpole)
 brax)
   timeout 560 $PY benchmarks/brax_ppo.py --env-id ant --num-envs 4096 --iterations 20 2>&1 | tee "$LOGS/brax.log"
   ;;
+graph)
+  timeout 420 $PY benchmarks/cuda_graph.py --sizes 128 4096 65536 --modes loop graph loop-compile graph-compile \
+    --iterations 100 2>&1 | tee "$LOGS/graph_ppo.log"
+  timeout 120 $PY benchmarks/cuda_graph.py --scripts vpg reinforce --sizes 4096 --modes loop graph --iterations 100 \
+    --no-jax 2>&1 | tee "$LOGS/graph_vpg_reinforce.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax" >&2
+  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax|graph" >&2
   exit 2
   ;;
 esac
