@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch._dynamo
+from test_modifications import adaptive_penalty
 
 from conftest import (
     ROOT,
@@ -166,8 +167,6 @@ def test_a_recorded_run_equals_the_loop_on_cuda(name, compile, in_tmp, capsys):
 def test_a_recorded_run_stopped_and_resumed_equals_one_run_on_cuda(name, in_tmp, monkeypatch):
     """Bit for bit, with a tensor given to `run.start` and changed in place after every iteration (the loss reads it):
     the replays see it change, and the resumed run records again on the restored state."""
-    from test_modifications import adaptive_penalty
-
     module = import_script(name)
     box = adaptive_penalty(module, monkeypatch)
     whole, resumed, _ = stopped_and_resumed(module, small_args(module, device="cuda", cuda_graph=True), in_tmp,

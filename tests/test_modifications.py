@@ -356,7 +356,7 @@ def test_a_flag_changed_during_training_is_refused_in_one_line(name, in_tmp, mon
     """`args.ent_coef = ...` in train() (to anneal it) stops at the first assignment with one line that points to the
     tensor pattern. Before, --compile recompiled at every iteration (291 SPS) and died at the ninth in a 74-line
     traceback, and --resume went on from the changed value while refusing the original flag."""
-    module, real_log = import_script(name), None
+    module = import_script(name)
     real_log = module.Run.log
 
     def log(self, *args, **kwargs):  # as train() annealing a flag after each iteration
