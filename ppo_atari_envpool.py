@@ -115,6 +115,8 @@ class Args:
     """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
     compile: bool = False
     """torch.compile the network (pays a one-off compile time)"""
+    num_seeds: int = 1
+    """1 here: EnvPool's emulators run one seed per process (the four tensor scripts stack K seeds in one)"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -159,6 +161,7 @@ class Args:
             "vf_coef": (self.vf_coef >= 0, ">= 0"),
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
+            "num_seeds": (self.num_seeds == 1, "1: EnvPool runs one seed per process (K processes: a --seed each)"),
             "bf16": (not self.bf16 or has_fast_bf16(self.device), "off here: no bfloat16 hardware (AMX or AVX512-BF16 "
                      "CPUs, GPUs from Ampere on) to run it faster than float32"),
         })  # fmt: skip
@@ -589,6 +592,11 @@ def video_writer(path: str, fps: int):
     return imageio.get_writer(path, fps=fps, macro_block_size=2)  # odd sides padded to even, as H.264 needs
 
 
+def train_seeds(train, args) -> list:
+    """`train(args)`: one seed per process here (`Args` refuses --num-seeds K > 1; the tensor scripts stack K)."""
+    return [train(args)]
+
+
 # Run management: identical in all five scripts
 class UsageError(Exception):
     """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
@@ -690,7 +698,8 @@ class Run(contextlib.AbstractContextManager):
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
-        tqdm.write(f"note: {message}", file=sys.stderr) if self.rank == 0 else None
+        seed = "" if threading.current_thread() is threading.main_thread() else f"{threading.current_thread().name}: "
+        tqdm.write(f"note: {seed}{message}", file=sys.stderr) if self.rank == 0 else None
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
         """One iteration's logs, videos and checkpoint from one host read (shared by the torchrun ranks: they decide
@@ -875,6 +884,11 @@ def check_run_flags(args) -> torch.device:
 def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     """The checkpoint at `path` (or `path`/checkpoint.pt; with --load-model a model too) as plain data, on the CPU."""
     file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
+    if not os.path.isfile(file) and os.path.isfile(group := os.path.join(path, "summary.json")):  # K seeds' folder:
+        with open(group) as f:  # the first seed's checkpoint, for K seeds
+            dirs = json.load(f).get("run_dirs") or [path]
+        saved = read_checkpoint(dirs[0], flag)
+        return saved | {"args": saved["args"] | {"num_seeds": len(dirs)}}
     if not os.path.isfile(file):
         raise UsageError(f"{flag} {path}: no such file")
     try:
@@ -919,7 +933,7 @@ def main() -> None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
-        train(replace(args, device=str(device)))  # its end syncs the ranks once more, then rank 0 writes alone
+        train_seeds(train, replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
     except UsageError as e:
         rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)

@@ -109,6 +109,8 @@ class Args:
     """torch.compile the rollout, batch preparation and gradient step (iteration 1 compiles: not counted in SPS)"""
     cuda_graph: bool = False
     """on a GPU, record an iteration's device work once as a CUDA graph and replay it (docs/running.md: GPU)"""
+    num_seeds: int = 1
+    """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -136,7 +138,8 @@ class Args:
 
     def __post_init__(self):
         """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: `main`)."""
-        batch_size, positive = self.num_envs * self.num_steps, ("num_envs", "num_steps", "rollout_use_count")
+        batch_size = self.num_envs * self.num_steps
+        positive = ("num_envs", "num_steps", "rollout_use_count", "num_seeds")
         check_flags(self, {name: (getattr(self, name) > 0, "positive") for name in positive} | {
             "total_timesteps": (self.total_timesteps >= batch_size, f"at least one rollout ({batch_size} steps)"),
             "learning_rate": (self.learning_rate > 0, "> 0"),
@@ -451,15 +454,15 @@ def train(args: Args, envs=None) -> Agent:
         # the hot phases as written, or compiled with --compile: built on the restored state, after `run.start`
         collect, prepare, step = hot_phases(agent, optimizer, vpg_loss, args, collect_rollout, make_batch)
 
-        def one_iteration(obs, noise):  # its device work: on a GPU, one CUDA graph (--cuda-graph) of all three phases
-            obs = collect(agent, envs, obs, rollout, noise)
+        def one_iteration(obs, noise, rollout):  # its device work: on a GPU one CUDA graph (--cuda-graph) of all three
+            obs = collect(agent, envs, obs, rollout, noise)  # phases; the rollout it fills given, as each seed has one
             return obs, update(step, prepare(agent, rollout, args), args)
 
         iterate = cuda_graph(one_iteration, run, optimizer, envs, agent)  # `envs` and `agent` hold state it changes
         for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
-            obs, stats = iterate(obs, RolloutNoise.draw(envs, T))
+            obs, stats = iterate(obs, RolloutNoise.draw(envs, T), rollout)
             if run.log(T * N, stats, rollout):  # True once the target return is reached
                 break
     return agent
@@ -594,7 +597,7 @@ def video_writer(path: str, fps: int):
     return imageio.get_writer(path, fps=fps, macro_block_size=2)  # odd sides padded to even, as H.264 needs
 
 
-# Fast paths: compile, one CUDA graph per iteration; identical in the four tensor scripts
+# Fast paths: compile, one CUDA graph per iteration, K seeds stacked; identical in the four tensor scripts
 class LossOf(nn.Module):
     """`loss_fn(agent, args, minibatch)` as a module whose parameters torch.func.functional_call swaps: the loss gets
     the real Agent compiled too."""
@@ -609,27 +612,30 @@ class LossOf(nn.Module):
 
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
     """`gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph (it cuts
-    `backward()` and `step()` apart: 3x slower here): torch.func.grad's gradients, clipped, in plain Adam's update
-    written out on the optimizer's own state and settings (built after `run.start` has loaded them)."""
+    `backward()` and `step()` apart: 3x slower here) and torch.func.vmap stacks over seeds: torch.func.grad's
+    gradients, clipped, in plain Adam's update written out on the optimizer's own state and settings (built after
+    `run.start` has loaded them). The parameters and state are read at each call: `Seeds` swaps in the stacked ones."""
     group, loss_of = optimizer.param_groups[0], LossOf(agent, loss_fn, args)
-    params, (beta1, beta2), eps = dict(loss_of.named_parameters()), group["betas"], group["eps"]
-    for p in params.values():
+    (beta1, beta2), eps = group["betas"], group["eps"]
+    for p in loss_of.parameters():
         if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
             optimizer.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
                                       exp_avg_sq=torch.zeros_like(p))  # fmt: skip
+    states = [optimizer.state[p] for p in loss_of.parameters()]
 
     def step(lr, batch, idx=None):
         minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
+        params = dict(loss_of.named_parameters())
         loss = lambda p, mb: torch.func.functional_call(loss_of, p, (mb,))
         grads, stats = torch.func.grad(loss, has_aux=True)(params, minibatch)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
-            for p, g in zip(params.values(), grads.values()):
-                s, g = optimizer.state[p], g * clip  # the optimizer's state as it is now
+            for p, g, s in zip(params.values(), grads.values(), states):  # s: the optimizer's state as it is now
+                g = g * clip
                 s["step"] += 1
-                s["exp_avg"].lerp_(g, 1 - beta1)  # m = β1 m + (1 - β1) g
-                s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2 v + (1 - β2) g²
+                s["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)  # m = β1 m + (1 - β1) g (vmap has no lerp_ rule)
+                s["exp_avg_sq"].mul_(beta2).add_(g * g, alpha=1 - beta2)  # v = β2 v + (1 - β2) g²
                 denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt() + eps
                 p.sub_(lr / (1 - beta1 ** s["step"]) * s["exp_avg"] / denom)
         return stats
@@ -648,19 +654,26 @@ def writes_out(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
 
 def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, *phases):
     """`phases` (functions of tensors) and `step(batch, idx)`, one gradient step: as written, or with --compile each
-    compiled into a single graph (`compiled`)."""
-    if not args.compile:
+    compiled into a single graph (`compiled`); with --num-seeds the step written out, as vmap cannot run backward()."""
+    stacked = Seeds.current is not None
+    if not args.compile and not stacked:
         return *phases, functools.partial(gradient_step, agent, optimizer, loss_fn, args)
-    torch._inductor.config.fallback_random = True  # random ops (dropout) draw as eager ones do: the same numbers
+    if stacked and not writes_out(agent, optimizer):
+        name = type(optimizer).__name__  # what functional_gradient_step writes out, vmap being unable to run backward()
+        raise UsageError(f"--num-seeds: the stacked seeds take plain Adam's step (one param group, no weight decay), "
+                         f"not {name}'s as set here; see docs/modifying.md#many-seeds")  # fmt: skip
+    if args.compile:  # random ops (dropout) draw as eager ones do: the same numbers
+        torch._inductor.config.fallback_random = True
     if not writes_out(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's own step()
         return *map(compiled, phases), functools.partial(gradient_step, agent, optimizer, compiled(loss_fn), args)
-    step, device = compiled(functional_gradient_step(agent, optimizer, loss_fn, args)), next(agent.parameters()).device
+    build = compiled if args.compile else lambda fn: fn  # noqa: E731
+    step, device = build(functional_gradient_step(agent, optimizer, loss_fn, args)), next(agent.parameters()).device
 
-    def compiled_step(*batch_idx):  # the rate as the param group has it now (--resume replaces the groups), in a
+    def functional_step(*batch_idx):  # the rate as the param group has it now (--resume replaces the groups), in a
         lr = optimizer.param_groups[0]["lr"]  # tensor: as a float it would be a constant, recompiled every iteration
         return step(lr if torch.is_tensor(lr) else torch.tensor(lr, device=device), *batch_idx)
 
-    return *map(compiled, phases), compiled_step
+    return *map(build, phases), functional_step
 
 
 def compiled(fn):
@@ -709,7 +722,10 @@ class HostWatch(torch.overrides.TorchFunctionMode):
 
 
 def cuda_graph(fn, run, optimizer: Optional[torch.optim.Optimizer], *holders):
-    """`fn` as a `CudaGraph` on a GPU (with --no-cuda-graph: run the same way, never recorded), else `fn` itself."""
+    """`fn` as a `CudaGraph` on a GPU (with --no-cuda-graph: run the same way, never recorded), else `fn` itself; with
+    --num-seeds, one call of it for all the seeds (`Seeds`, a CUDA graph on a GPU)."""
+    if Seeds.current is not None:
+        return Seeds.current.join(fn, run, optimizer, holders)
     return CudaGraph(fn, run, optimizer, holders) if run.device.type == "cuda" else fn
 
 
@@ -835,6 +851,289 @@ class CudaGraph:
         return lambda: graph.replay() or out  # replay() returns None
 
 
+def train_seeds(train, args) -> list:
+    """`train(args)`; with --num-seeds K > 1 the seeds --seed ... --seed + K - 1 in this process (`Seeds`), a run folder
+    each and their aggregate. Returns the agents."""
+    return [train(args)] if args.num_seeds == 1 else Seeds(args).train(train)
+
+
+class Seeds:
+    """--num-seeds K: `train` as written, for each seed in a thread of its own. The threads take turns (one runs at a
+    time, with its own torch RNG state), so each is one seed's run; a function given to `cuda_graph` waits until every
+    seed has called it, then runs once for all: torch.func.vmap over their stacked tensors (the holders' parameters,
+    buffers and attributes, the optimizer's state and rate, the inputs), the results handed back to each seed."""
+
+    current: Optional[Seeds] = None  # while K seeds train
+
+    def __init__(self, args):
+        if args.compile:  # inductor stops on the vmapped iteration: "Cannot access storage of BatchedTensorImpl"
+            raise UsageError("--num-seeds with --compile: torch.compile cannot compile the vmapped iteration (torch "
+                             f"{torch.__version__.split('+')[0]}); leave out one")  # fmt: skip
+        if dist.is_initialized():
+            raise UsageError("--num-seeds stacks the seeds in one process: under torchrun, use --num-seeds 1")
+        k, first, group, dirs = args.num_seeds, args.seed, args.resume or args.load_model, None
+        if group and os.path.isfile(os.path.join(group, "summary.json")):  # the K seeds' folders, from their aggregate
+            with open(os.path.join(group, "summary.json")) as f:
+                dirs = json.load(f).get("run_dirs")
+        if (args.resume or dirs) and len(dirs or []) != k:
+            flag = "--resume" if args.resume else "--load-model"
+            raise UsageError(f"{flag} with --num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-"
+                             f"{first + k - 1}__..), or --load-model one model for all")  # fmt: skip
+        self.dir = args.resume or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{first}-{first + k - 1}__"
+                                                       f"{int(time.time())}")  # fmt: skip
+        self.args = [replace(args, seed=first + i, num_seeds=1, resume=args.resume and dirs[i],
+                             load_model=dirs[i] if dirs and args.load_model else args.load_model,
+                             capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)
+                     for i in range(k)]  # fmt: skip
+        self.flags = args
+        self.cond, self.local, self.turn, self.abort = threading.Condition(), threading.local(), 0, False
+        self.live, self.pending, self.results, self.errors = set(range(k)), {}, {}, {}
+        self.entries, self.runs, self.agents = [[] for _ in range(k)], [None] * k, [None] * k
+        self.rngs, self.calls, self.signal = [None] * k, {}, 0
+
+    def train(self, train) -> list:
+        """Run the K seeds to their ends; write and print their aggregate; raise the first seed's error, if any."""
+        Seeds.current, main = self, threading.current_thread() is threading.main_thread()
+        threads = [threading.Thread(target=self.seed, args=(i, train), name=f"seed {a.seed}", daemon=True)
+                   for i, a in enumerate(self.args)]  # fmt: skip
+        handlers = {s: signal.signal(s, self.stop) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                while thread.is_alive():  # in short waits: the signal handler runs in between
+                    try:
+                        thread.join(0.1)
+                    except KeyboardInterrupt:  # a second Ctrl-C: every seed stops at once
+                        with self.cond:
+                            self.abort = True
+                            self.cond.notify_all()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            Seeds.current = None
+        self.write(final=True)
+        for i in sorted(self.errors):
+            raise self.errors[i]
+        return self.agents
+
+    def stop(self, signum: int, frame) -> None:
+        """SIGINT/SIGTERM: every seed stops after the same iteration (the next stacked call), with a checkpoint."""
+        self.signal = self.signal or signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
+        tqdm.write(f"note: {signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
+
+    def seed(self, i: int, train) -> None:
+        """Thread i: seed i's `train`, in its turns."""
+        self.local.i = i
+        try:
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn == i or self.abort)
+            if self.abort:
+                raise KeyboardInterrupt
+            self.agents[i] = train(self.args[i])
+        except BaseException as e:  # its Run has written its outputs
+            self.errors[i] = e
+        finally:
+            with self.cond:
+                self.live.discard(i)
+                self.hand_on(i)
+
+    def join(self, fn, run, optimizer, holders):
+        """What `cuda_graph` returns under --num-seeds: `fn` called for every seed at once."""
+        i = self.local.i
+        for name in [k for k, v in run.stateful.items() if torch.is_tensor(v)][:1]:  # read as seed 1's by all seeds
+            raise UsageError(f"--num-seeds: run.start({name}=...), a tensor, cannot be each seed's own in the stacked "
+                             "call: make it a buffer of the agent (docs/modifying.md#many-seeds)")  # fmt: skip
+        self.entries[i].append((fn, optimizer, holders))
+        self.runs[i], j = run, len(self.entries[i]) - 1
+
+        @functools.wraps(fn)
+        def call(*args):
+            with self.cond:
+                self.rngs[i], self.pending[i] = rng_state(), (j, args)
+                self.hand_on(i)
+                self.cond.wait_for(lambda: self.turn == i or self.abort)
+                if self.abort:
+                    raise KeyboardInterrupt
+                rng_state(self.rngs[i])
+                out = self.results.pop(i)
+            if isinstance(out, BaseException):
+                raise out
+            return out
+
+        return call
+
+    def hand_on(self, i: int) -> None:
+        """Seed i waits or has ended: the next seed in order runs; when all wait, their calls run (in this thread)."""
+        waiting = [k for k in sorted(self.live) if k not in self.pending]
+        if not waiting and self.pending:
+            self.write(final=False)
+            calls, self.pending, lead = self.pending, {}, min(self.pending)
+            for run in filter(None, self.runs):  # a signal: every seed stops after this iteration
+                run.stop_signal = run.stop_signal or self.signal
+            rng_state(self.rngs[lead])  # the calls draw (minibatch orders, dropout) from the first seed's stream,
+            for j in sorted({j for j, _ in calls.values()}):
+                seeds = [k for k in sorted(calls) if calls[k][0] == j]
+                try:
+                    self.results.update(zip(seeds, self.stacked(j, seeds, [calls[k][1] for k in seeds])))
+                except Exception as e:  # every seed in the call raises it
+                    self.results.update((k, e) for k in seeds)
+            self.rngs[lead] = rng_state()  # which its checkpoints keep
+            waiting = sorted(self.live)
+        self.turn = next((k for k in waiting if k > i), waiting[0] if waiting else None)
+        self.cond.notify_all()
+
+    def stacked(self, j: int, seeds: list[int], calls: list[tuple]) -> list:
+        """The j-th function the seeds gave `cuda_graph`, called once on their stacked tensors; each seed's results."""
+        entries = [self.entries[k][j] for k in seeds]
+        slots = [stack_slots(optimizer, holders) for _, optimizer, holders in entries]
+        flat = [pytree.tree_flatten(args) for args in calls]
+        if any(len(s) != len(slots[0]) for s in slots) or any(spec != flat[0][1] for _, spec in flat):
+            raise UsageError(f"--num-seeds: the seeds' {entries[0][0].__name__} differ in their state or arguments")
+        where = [n for n, x in enumerate(flat[0][0]) if torch.is_tensor(x)]
+        device = self.runs[seeds[0]].device
+        values = [torch.stack([torch.as_tensor(t[key], device=device) for t, key in column])
+                  for column in zip(*slots)]  # fmt: skip
+        inputs = [torch.stack([leaves[n] for leaves, _ in flat]) for n in where]
+        key = (j, tuple(seeds))
+        if key not in self.calls:
+            self.calls[key] = self.vmapped(entries, slots[0], flat[0], where)
+        (out, new, written), kept = self.calls[key][0](values, inputs), self.calls[key][1]
+        with torch.no_grad():  # the seeds' tensors as the call left them: in place where it changed them in place
+            for n, seed_slots in enumerate(slots):
+                for (t, name), value, same in zip(seed_slots, new, kept):
+                    if not torch.is_tensor(t[name]) and same:  # a rate given as a float
+                        continue
+                    t[name].copy_(value[n]) if same else t.__setitem__(name, value[n])
+                for m, value in zip(where, written):
+                    flat[n][0][m].copy_(value[n])
+        return [pytree.tree_map(lambda x, n=n: x[n], out) for n in range(len(seeds))]
+
+    def vmapped(self, entries, slots, flat, where):
+        """The first seed's function on all the seeds' tensors: its slots set to the stacked ones (vmap shows each as
+        one seed's) while it runs; a CUDA graph on a GPU. Returns it and, once it has run, which slots it kept."""
+        (fn, _, holders), kept = entries[0], []
+        theirs = {id(h): mine for _, _, hs in entries for h, mine in zip(hs, holders)}  # an argument that is a holder
+        leaves = [theirs.get(id(x), x) for x in flat[0]]
+
+        def body(values, inputs):
+            originals = [t[key] for t, key in slots]
+            for (t, key), value in zip(slots, values):
+                t[key] = value
+            for n, x in zip(where, inputs):
+                leaves[n] = x
+            try:
+                out = fn(*pytree.tree_unflatten(leaves, flat[1]))
+                kept[:] = [t[key] is value for (t, key), value in zip(slots, values)]
+                return out, [t[key] for t, key in slots], inputs
+            finally:
+                for (t, key), value in zip(slots, originals):
+                    t[key] = value
+
+        def call(values, inputs):
+            try:
+                return torch.func.vmap(body, randomness="different")(values, inputs)
+            except RuntimeError as e:
+                if "vmap" not in str(e):
+                    raise
+                torch_dir = os.path.dirname(torch.__file__)
+                tb = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]
+                raise UsageError(f"--num-seeds: {str(e).splitlines()[0][:160]} ({tb[-1].filename}:{tb[-1].lineno}); "
+                                 "see docs/modifying.md#many-seeds") from None  # fmt: skip
+
+        run = self.runs[0]
+        return (CudaGraph(call, run, None, ()) if run.device.type == "cuda" else call), kept
+
+    def write(self, final: bool) -> None:
+        """The aggregate folder's summary.json: the seeds' run folders (--resume it), and at the end their aggregate."""
+        if os.path.isfile(path := os.path.join(self.dir, "summary.json")) and not final:
+            return
+        dirs = [run.dir if run is not None else None for run in self.runs]
+        summaries = []
+        for d in dirs if final else ():
+            if d is not None and os.path.isfile(os.path.join(d, "summary.json")):
+                with open(os.path.join(d, "summary.json")) as f:
+                    summaries.append(json.load(f))
+        agg = aggregate(summaries) if summaries else {}
+        os.makedirs(self.dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"run_dirs": dirs, "num_seeds": len(dirs), **agg, "args": asdict(self.flags)}, f, indent=2)
+        if final and summaries:
+            resume = f"; go on with --resume {self.dir}" if any(s["status"] == "interrupted" for s in summaries) else ""
+            print(f"{len(dirs)} seeds: {line(agg)}; outputs in {self.dir}{resume}")
+
+
+def stack_slots(optimizer, holders) -> list[tuple[dict, str]]:
+    """Where a seed's state lives, as (table, key): its holders' parameters and buffers (modules) or tensor attributes
+    (envs), its optimizer's per-parameter state and learning rates."""
+    modules = [m for h in holders if isinstance(h, nn.Module) for m in h.modules()]
+    tables = [m._parameters for m in modules] + [m._buffers for m in modules]
+    tables += [vars(h) for h in holders if not isinstance(h, nn.Module)]
+    groups = optimizer.param_groups if optimizer is not None else []
+    tables += [optimizer.state[p] for group in groups for p in group["params"]]
+    return [(t, key) for t in tables for key, v in t.items() if torch.is_tensor(v)] + [(g, "lr") for g in groups]
+
+
+def rng_state(state=None):
+    """torch's global RNG state (CPU and CUDA), or, given one, set to it."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if state is None:
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def iqm(scores: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Interquartile mean: the mean of the middle half, after dropping floor(n/4) scores from each end (as
+    scipy.stats.trim_mean(scores, 0.25), which rliable uses)."""
+    n = scores.shape[axis]
+    return np.sort(scores, axis=axis).take(range(n // 4, n - n // 4), axis=axis).mean(axis=axis)
+
+
+def stratified_bootstrap_ci(scores: dict[str, np.ndarray], reps: int = 10_000, seed: int = 0, level: float = 0.95):
+    """The percentile interval of the IQM over `reps` resamples, each drawing every stratum's (env's) runs with
+    replacement from that stratum alone and pooling them (rliable's stratified bootstrap)."""
+    rng = np.random.default_rng(seed)
+    pooled = [runs[rng.integers(0, len(runs), size=(reps, len(runs)))] for runs in scores.values()]
+    samples = iqm(np.concatenate(pooled, axis=1), axis=1)
+    return tuple(np.percentile(samples, [100 * (1 - level) / 2, 100 * (1 + level) / 2]))
+
+
+def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
+    """Runs' summary.json files in one (rliable, Agarwal et al. 2021): how many reached the target, the median and
+    IQR of the steps to solve, the IQM of the final evaluations with a 95% bootstrap CI; None where none has it."""
+    steps = np.array([s["solved_at_step"] for s in summaries if s["solved_at_step"] is not None], dtype=float)
+    evals: dict[str, list[float]] = {}
+    for s in summaries:
+        if s["eval_mean_return"] is not None:
+            evals.setdefault(s["env_id"], []).append(s["eval_mean_return"])
+    agg = {"runs": len(summaries), "seeds": sorted(s["seed"] for s in summaries), "solved": len(steps),
+           "target_reached": sum(s["status"] == "target return reached" for s in summaries),
+           "solved_at_step_median": None, "solved_at_step_iqr": None, "evaluated": sum(map(len, evals.values())),
+           "eval_iqm": None, "eval_iqm_ci95": None}  # fmt: skip
+    if len(steps):
+        q1, median, q3 = np.percentile(steps, [25, 50, 75]).tolist()
+        agg.update(solved_at_step_median=median, solved_at_step_iqr=[q1, q3])
+    if evals:
+        ci = stratified_bootstrap_ci({env: np.array(v) for env, v in evals.items()}, reps, seed)
+        agg.update(eval_iqm=float(iqm(np.concatenate(list(evals.values())))), eval_iqm_ci95=[float(x) for x in ci])
+    return agg
+
+
+def line(agg: dict) -> str:
+    """The aggregate in one line."""
+    steps, evals = "none solved", "no evaluation"
+    if agg["solved"]:
+        (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]
+        steps = f"solved at step median {median:,.0f} (IQR {q1:,.0f}–{q3:,.0f}) of {agg['solved']}"
+    if agg["eval_iqm"] is not None:
+        low, high = agg["eval_iqm_ci95"]
+        evals = f"eval IQM {agg['eval_iqm']:.1f} (95% CI {low:.1f}–{high:.1f}, {agg['evaluated']} runs)"
+    return f"{agg['target_reached']}/{agg['runs']} reached the target; {steps}; {evals}"
+
+
 # Run management: identical in all five scripts
 class UsageError(Exception):
     """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
@@ -936,7 +1235,8 @@ class Run(contextlib.AbstractContextManager):
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
-        tqdm.write(f"note: {message}", file=sys.stderr) if self.rank == 0 else None
+        seed = "" if threading.current_thread() is threading.main_thread() else f"{threading.current_thread().name}: "
+        tqdm.write(f"note: {seed}{message}", file=sys.stderr) if self.rank == 0 else None
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
         """One iteration's logs, videos and checkpoint from one host read (shared by the torchrun ranks: they decide
@@ -1121,6 +1421,11 @@ def check_run_flags(args) -> torch.device:
 def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     """The checkpoint at `path` (or `path`/checkpoint.pt; with --load-model a model too) as plain data, on the CPU."""
     file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
+    if not os.path.isfile(file) and os.path.isfile(group := os.path.join(path, "summary.json")):  # K seeds' folder:
+        with open(group) as f:  # the first seed's checkpoint, for K seeds
+            dirs = json.load(f).get("run_dirs") or [path]
+        saved = read_checkpoint(dirs[0], flag)
+        return saved | {"args": saved["args"] | {"num_seeds": len(dirs)}}
     if not os.path.isfile(file):
         raise UsageError(f"{flag} {path}: no such file")
     try:
@@ -1165,7 +1470,7 @@ def main() -> None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
-        train(replace(args, device=str(device)))  # its end syncs the ranks once more, then rank 0 writes alone
+        train_seeds(train, replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
     except UsageError as e:
         rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)

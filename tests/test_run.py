@@ -20,7 +20,9 @@ from conftest import ALL_SCRIPTS, ROOT, SCRIPTS, SUMMARY_KEYS, import_script, re
 pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
 
 BANNER = "# Run management: identical in all five scripts\n"
-FAST_BANNER = "# Fast paths: compile, one CUDA graph per iteration; identical in the four tensor scripts\n"
+FAST_BANNER = (
+    "# Fast paths: compile, one CUDA graph per iteration, K seeds stacked; identical in the four tensor scripts\n"
+)
 # pieces outside the run block that every script carries, word for word
 ALL_SHARED = ["check_flags", "mean_over_ranks", "gradient_step", "average_gradients", "video_writer"]
 CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "Tanh", "mlp",
@@ -76,14 +78,14 @@ def test_args_list_the_algorithm_first_and_the_run_from_total_timesteps(name):
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
 def test_the_file_keeps_its_line_budgets(name):
     """Readable in one sitting: the loss within 380 lines of the top, the end of `train()` within 560, a run block of
-    at most 360 lines, and the whole file within 1,250 (the CUDA graph issue's 1,150 did not hold the fast-path
-    block's CUDA graph: docs/tests.md, "Line budgets")."""
+    at most 360 lines, and the whole file within 1,530 (the issues' 1,150 did not hold the fast-path block's CUDA graph
+    and K stacked seeds: docs/tests.md, "Line budgets")."""
     with open(os.path.join(ROOT, name + ".py")) as f:
         text = f.read()
     tree = ast.parse(text).body
     (loss,) = [n for n in tree if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
     (train,) = [n for n in tree if isinstance(n, ast.FunctionDef) and n.name == "train"]
-    assert len(text.splitlines()) <= 1250 and len(run_block(name).splitlines()) <= 360
+    assert len(text.splitlines()) <= 1530 and len(run_block(name).splitlines()) <= 360
     assert loss.lineno - 1 <= 380, f"{loss.name} comes after {loss.lineno - 1} lines"
     assert train.end_lineno <= 560, f"train() ends at line {train.end_lineno}"
 

@@ -1,0 +1,200 @@
+"""--num-seeds K: the seeds of one process, each its own run (envs, weights, optimizer, clipping, advantage
+normalisation, minibatch order), stacked into one vmapped call; resumed, stopped, evaluated and filmed like one run."""
+
+import glob
+import os
+import signal
+import sys
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import (
+    ROOT,
+    SCRIPTS,
+    assert_one_error_line,
+    call_main,
+    import_script,
+    interrupt_after_an_iteration,
+    read_json,
+    run_script,
+    scalars,
+    small_args,
+    stop_with_sigterm_at,
+)
+
+
+def folders(tmp, exp_name: str) -> tuple[str, list[str]]:
+    """The aggregate folder of `exp_name`'s seeds, and their run folders in seed order (from the aggregate)."""
+    (group,) = glob.glob(os.path.join(str(tmp), "runs", f"*__{exp_name}__*-*__*"))
+    return group, [os.path.join(str(tmp), d) for d in read_json(os.path.join(group, "summary.json"))["run_dirs"]]
+
+
+def train_seeds(module, args):
+    """`--num-seeds K` as main() runs it: the seeds' agents."""
+    return module.train_seeds(module.train, args)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_seeds_in_one_process_are_two_runs_and_their_aggregate(script, in_tmp):
+    """Two run folders and an aggregate beside them; the seeds' curves differ, and each seed's first rollout is the one
+    it has alone (its envs' and its actions' random numbers are its own: the first rollout, on the initial weights,
+    matches the seed trained alone step for step)."""
+    module = import_script(script)
+    args = small_args(module, num_seeds=2, exp_name="two")
+    agents = train_seeds(module, args)
+    group, dirs = folders(in_tmp, "two")
+    assert len(agents) == 2 and os.path.basename(group).split("__")[2] == "1-2"
+    runs = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    assert [s["seed"] for s in runs] == [1, 2] and all(s["status"] == "completed" for s in runs)
+    assert [s["args"]["num_seeds"] for s in runs] == [1, 1]  # each folder resumes alone as one seed
+    agg = read_json(os.path.join(group, "summary.json"))
+    assert agg["runs"] == 2 and agg["seeds"] == [1, 2] and agg["evaluated"] == 2 and agg["args"]["num_seeds"] == 2
+    curves = [scalars(d) for d in dirs]
+    assert curves[0]["charts/episodic_return"] != curves[1]["charts/episodic_return"]
+    assert not any(torch.equal(a, b) for a, b in zip(agents[0].parameters(), agents[1].parameters()))
+    train_seeds(module, replace(args, seed=2, num_seeds=1, exp_name="alone"))
+    (alone,) = glob.glob(str(in_tmp / "runs" / "*__alone__2__*"))
+    first = lambda curves, tag: curves[tag][0]  # noqa: E731
+    for tag in ("charts/episodic_return", "charts/episodic_length"):
+        assert first(scalars(alone), tag) == first(curves[1], tag), tag
+
+
+def test_each_seed_clips_and_normalises_with_its_own_data():
+    """One stacked PPO gradient step of two seeds: changing seed 2's minibatch (advantages 1000x, so its gradient is
+    clipped and its normalisation differs) leaves seed 1's update exactly as it was, and seed 1's update is the one
+    it takes alone (torch.func, unstacked) within float tolerance."""
+    P = import_script("ppo_cartpole_gpu")
+    args = small_args(P, num_seeds=2)
+
+    def update(scale: float):
+        torch.manual_seed(0)
+        agents = [P.Agent(4, 2) for _ in range(2)]
+        optimizers = [torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5) for a in agents]
+        g = torch.Generator().manual_seed(1)
+        batches = [P.Batch(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g),
+                           -torch.rand(64, generator=g), torch.randn(64, generator=g), torch.randn(64, generator=g),
+                           torch.randn(64, generator=g)) for _ in range(2)]  # fmt: skip
+        batches[1] = batches[1]._replace(advantages=batches[1].advantages * scale)
+        seeds = P.Seeds(args)
+        seeds.runs = [types.SimpleNamespace(device=torch.device("cpu"), args=args)] * 2
+        P.Seeds.current = seeds
+        try:
+            steps = [P.hot_phases(a, o, P.ppo_loss, args)[0] for a, o in zip(agents, optimizers)]
+        finally:
+            P.Seeds.current = None
+        seeds.entries = [[(steps[k], optimizers[k], (agents[k],))] for k in range(2)]
+        stats = seeds.stacked(0, [0, 1], [(batches[0],), (batches[1],)])
+        return agents, stats, batches[0]
+
+    (one, _), stats, batch = update(1.0)
+    (same, _), stats_scaled, _ = update(1000.0)
+    for a, b in zip(one.parameters(), same.parameters()):
+        assert torch.equal(a, b)
+    assert stats[0]["losses/policy_loss"] == stats_scaled[0]["losses/policy_loss"]
+    assert stats[1]["losses/policy_loss"] != stats_scaled[1]["losses/policy_loss"]
+    torch.manual_seed(0)
+    alone = P.Agent(4, 2)
+    optimizer = torch.optim.Adam(alone.parameters(), lr=1e-2, eps=1e-5)
+    P.functional_gradient_step(alone, optimizer, P.ppo_loss, args)(torch.tensor(1e-2), batch)
+    for a, b in zip(one.parameters(), alone.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_seeds_stopped_and_resumed_equal_one_run(script, in_tmp, monkeypatch):
+    """Two stacked seeds stopped by SIGTERM (after the same stacked call, with checkpoints) and resumed from their
+    aggregate folder: each seed's scalars and weights are those of the two trained straight through."""
+    module = import_script(script)
+    args = small_args(module, num_seeds=2)
+    whole = train_seeds(module, replace(args, exp_name="whole"))
+    stop_with_sigterm_at(module, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(module, replace(args, exp_name="cut"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Seeds put the handlers back
+    group, dirs = folders(in_tmp, "cut")
+    stopped = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    assert [s["status"] for s in stopped] == ["interrupted"] * 2
+    if script != "reinforce":  # its seeds' rollouts take different numbers of chunks: not in step by iteration
+        assert stopped[0]["iterations"] == stopped[1]["iterations"]
+    resumed = train_seeds(module, replace(args, exp_name="cut", resume=group))
+    for k, d in enumerate(folders(in_tmp, "whole")[1]):
+        assert scalars(dirs[k]) == scalars(d), f"seed {k + 1}"
+        for (name, a), b in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
+            assert torch.equal(a, b), f"seed {k + 1}: {name}"
+
+
+def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_path):
+    flags = ["--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "100000000", "--target-return", "None",
+             "--checkpoint-interval", "0", "--no-progress-bar"]  # fmt: skip
+    result = interrupt_after_an_iteration([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags],
+                                          tmp_path, signal.SIGTERM)  # fmt: skip
+    assert result.returncode == 143 and "Traceback" not in result.stderr, result.stderr
+    group, dirs = folders(tmp_path, "ppo_cartpole_gpu")
+    assert f"go on with --resume {os.path.relpath(group, tmp_path)}" in result.stdout.splitlines()[-1]
+    counters = [torch.load(os.path.join(d, "checkpoint.pt"), weights_only=True)["counters"] for d in dirs]
+    assert counters[0]["iteration"] == counters[1]["iteration"] > 0
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp):
+    """--save-model: a model in each seed's folder; --capture-video: seed 1's envs filmed; --eval-only --load-model of
+    the aggregate folder evaluates each seed's own weights, as its training's final evaluation did."""
+    module = import_script(script)
+    args = small_args(module, num_seeds=2, save_model=True, capture_video=True, video_interval=0, exp_name="train")
+    train_seeds(module, args)
+    group, dirs = folders(in_tmp, "train")
+    assert [os.listdir(os.path.join(d, "videos")) if os.path.isdir(os.path.join(d, "videos")) else [] for d in dirs] \
+        == [["evaluation.mp4"], []]  # fmt: skip
+    trained = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    assert all(os.path.isfile(s["model_path"]) for s in trained)
+    train_seeds(module, replace(args, eval_only=True, load_model=group, save_model=False, capture_video=False,
+                                exp_name="eval"))  # fmt: skip
+    evaluated = [read_json(os.path.join(d, "summary.json")) for d in folders(in_tmp, "eval")[1]]
+    assert [s["eval_returns"] for s in evaluated] == [s["eval_returns"] for s in trained]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compile"], "--num-seeds with --compile: torch.compile cannot compile the vmapped iteration"),
+    (["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a Tensor in some "
+                              "data-dependent control flow"),  # PPO's early stop: a branch per seed
+])  # fmt: skip
+def test_what_cannot_be_stacked_is_refused_in_one_line(flags, message, in_tmp):
+    result = call_main("ppo_cartpole_gpu", "--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "2048",
+                       "--no-progress-bar", *flags, cwd=in_tmp)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert message in line, line
+
+
+def test_a_single_seed_folder_is_not_resumed_as_k_seeds(in_tmp):
+    P = import_script("ppo_cartpole_gpu")
+    P.train(small_args(P, exp_name="one"))
+    (one,) = glob.glob(str(in_tmp / "runs" / "*__one__*"))
+    result = call_main("ppo_cartpole_gpu", "--resume", one, "--num-seeds", "2", "--total-timesteps", "9999",
+                       cwd=in_tmp)  # fmt: skip
+    assert_one_error_line(result, "--resume with --num-seeds 2 takes the aggregate folder of 2 seeds")
+
+
+def test_atari_refuses_many_seeds_in_one_line(tmp_path):
+    result = run_script("ppo_atari_envpool", "--num-seeds", "2", cwd=tmp_path, timeout=120)
+    assert_one_error_line(result, "--num-seeds must be 1: EnvPool runs one seed per process")
+
+
+@pytest.mark.learning
+def test_four_stacked_seeds_solve_cartpole(in_tmp):
+    """PPO's defaults, seeds 1-4 in one process (CI): every seed reaches the target within the single-seed budget
+    (test_learning.py) and its greedy policy scores 475 or more."""
+    P = import_script("ppo_cartpole_gpu")
+    train_seeds(P, P.Args(num_seeds=4, device="cpu", progress_bar=False))
+    group, dirs = folders(in_tmp, "ppo_cartpole_gpu")
+    runs = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    assert [s["status"] for s in runs] == ["target return reached"] * 4, runs
+    assert all(s["solved_at_step"] <= 400_000 and s["eval_mean_return"] >= 475 for s in runs), runs
+    agg = read_json(os.path.join(group, "summary.json"))
+    assert agg["target_reached"] == 4 and agg["eval_iqm"] >= 475
