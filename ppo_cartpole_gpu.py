@@ -678,7 +678,7 @@ def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args
         torch._inductor.config.fallback_random = True
     if not writes_out(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's own step()
         return *map(compiled, phases), functools.partial(gradient_step, agent, optimizer, compiled(loss_fn), args)
-    build = compiled if args.compile else lambda fn: fn  # noqa: E731
+    build = compiled if args.compile and not stacked else lambda fn: fn  # noqa: E731 (`Seeds` compiles what it stacks)
     step, device = build(functional_gradient_step(agent, optimizer, loss_fn, args)), next(agent.parameters()).device
 
     def functional_step(*batch_idx):  # the rate as the param group has it now (--resume replaces the groups), in a
@@ -878,9 +878,6 @@ class Seeds:
     current: Optional[Seeds] = None  # while K seeds train
 
     def __init__(self, args):
-        if args.compile:  # inductor stops on the vmapped iteration: "Cannot access storage of BatchedTensorImpl"
-            raise UsageError("--num-seeds with --compile: torch.compile cannot compile the vmapped iteration (torch "
-                             f"{torch.__version__.split('+')[0]}); leave out one")  # fmt: skip
         if dist.is_initialized():
             raise UsageError("--num-seeds stacks the seeds in one process: under torchrun, use --num-seeds 1")
         k, first, group, dirs = args.num_seeds, args.seed, args.resume or args.load_model, None
@@ -1005,47 +1002,54 @@ class Seeds:
             raise UsageError(f"--num-seeds: the seeds' {entries[0][0].__name__} differ in their state or arguments")
         where = [n for n, x in enumerate(flat[0][0]) if torch.is_tensor(x)]
         device = self.runs[seeds[0]].device
-        values = [torch.stack([torch.as_tensor(t[key], device=device) for t, key in column])
+        values = [torch.stack([torch.as_tensor(get_slot(t, key), device=device) for t, key in column])
                   for column in zip(*slots)]  # fmt: skip
         inputs = [torch.stack([leaves[n] for leaves, _ in flat]) for n in where]
         key = (j, tuple(seeds))
         if key not in self.calls:
             self.calls[key] = self.vmapped(entries, slots[0], flat[0], where)
-        (out, new, written), kept = self.calls[key][0](values, inputs), self.calls[key][1]
-        with torch.no_grad():  # the seeds' tensors as the call left them: in place where it changed them in place
-            for n, seed_slots in enumerate(slots):
-                for (t, name), value, same in zip(seed_slots, new, kept):
-                    if not torch.is_tensor(t[name]) and same:  # a rate given as a float
-                        continue
-                    t[name].copy_(value[n]) if same else t.__setitem__(name, value[n])
-                for m, value in zip(where, written):
+        out, new = self.calls[key](values, inputs)
+        with torch.no_grad():  # what the call wrote, into the seeds' own tensors (in place: a Parameter is known by
+            for n, seed_slots in enumerate(slots):  # its identity), inputs first: one may be a holder's tensor
+                for m, value in zip(where, inputs):
                     flat[n][0][m].copy_(value[n])
+                for (t, name), value in zip(seed_slots, new):
+                    mine = get_slot(t, name)
+                    if not torch.is_tensor(mine):  # a rate given as a float: the call only read it
+                        continue
+                    fits = mine.shape == value[n].shape and mine.dtype == value[n].dtype
+                    mine.copy_(value[n]) if fits else set_slot(t, name, value[n].clone())
         return [pytree.tree_map(lambda x, n=n: x[n], out) for n in range(len(seeds))]
 
     def vmapped(self, entries, slots, flat, where):
         """The first seed's function on all the seeds' tensors: its slots set to the stacked ones (vmap shows each as
-        one seed's) while it runs; a CUDA graph on a GPU. Returns it and, once it has run, which slots it kept."""
-        (fn, _, holders), kept = entries[0], []
+        one seed's) while it runs, the inputs written in place; with --compile one graph, on a GPU a CUDA graph."""
+        fn, _, holders = entries[0]
         theirs = {id(h): mine for _, _, hs in entries for h, mine in zip(hs, holders)}  # an argument that is a holder
         leaves = [theirs.get(id(x), x) for x in flat[0]]
 
         def body(values, inputs):
-            originals = [t[key] for t, key in slots]
+            originals = [get_slot(t, key) for t, key in slots]
             for (t, key), value in zip(slots, values):
-                t[key] = value
+                set_slot(t, key, value)
+            args = list(leaves)  # a copy: a list the call fills would leak what vmap shows as one seed's
             for n, x in zip(where, inputs):
-                leaves[n] = x
+                args[n] = x
             try:
-                out = fn(*pytree.tree_unflatten(leaves, flat[1]))
-                kept[:] = [t[key] is value for (t, key), value in zip(slots, values)]
-                return out, [t[key] for t, key in slots], inputs
+                return fn(*pytree.tree_unflatten(args, flat[1])), [get_slot(t, key) for t, key in slots]
             finally:
                 for (t, key), value in zip(slots, originals):
-                    t[key] = value
+                    set_slot(t, key, value)
 
-        def call(values, inputs):
+        stacked, stand_in = torch.func.vmap(body, randomness="different"), torch.zeros(())
+        stacked = compiled(stacked) if self.flags.compile else stacked
+
+        def call(values, inputs):  # a rate given as a float waits outside, a tensor in its place: compiled code would
+            floats = [(t, key, get_slot(t, key)) for t, key in slots if not torch.is_tensor(get_slot(t, key))]
+            for t, key, _ in floats:  # put the float back as a constant, and compile again when it changes
+                set_slot(t, key, stand_in)
             try:
-                return torch.func.vmap(body, randomness="different")(values, inputs)
+                return stacked(values, inputs)
             except RuntimeError as e:
                 if "vmap" not in str(e):
                     raise
@@ -1053,9 +1057,12 @@ class Seeds:
                 tb = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]
                 raise UsageError(f"--num-seeds: {str(e).splitlines()[0][:160]} ({tb[-1].filename}:{tb[-1].lineno}); "
                                  "see docs/modifying.md#many-seeds") from None  # fmt: skip
+            finally:
+                for t, key, value in floats:
+                    set_slot(t, key, value)
 
-        run = self.runs[0]
-        return (CudaGraph(call, run, None, ()) if run.device.type == "cuda" else call), kept
+        run = next(r for r in self.runs if r is not None)
+        return CudaGraph(call, run, None, ()) if run.device.type == "cuda" else call
 
     def write(self, final: bool) -> None:
         """The aggregate folder's summary.json: the seeds' run folders (--resume it), and at the end their aggregate."""
@@ -1076,15 +1083,25 @@ class Seeds:
             print(f"{len(dirs)} seeds: {line(agg)}; outputs in {self.dir}{resume}")
 
 
-def stack_slots(optimizer, holders) -> list[tuple[dict, str]]:
+def stack_slots(optimizer, holders) -> list[tuple]:
     """Where a seed's state lives, as (table, key): its holders' parameters and buffers (modules) or tensor attributes
     (envs), its optimizer's per-parameter state and learning rates."""
     modules = [m for h in holders if isinstance(h, nn.Module) for m in h.modules()]
     tables = [m._parameters for m in modules] + [m._buffers for m in modules]
-    tables += [vars(h) for h in holders if not isinstance(h, nn.Module)]
-    groups = optimizer.param_groups if optimizer is not None else []
-    tables += [optimizer.state[p] for group in groups for p in group["params"]]
-    return [(t, key) for t in tables for key, v in t.items() if torch.is_tensor(v)] + [(g, "lr") for g in groups]
+    tables += [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]] if optimizer else []
+    slots = [(t, key) for t in tables for key, v in t.items() if torch.is_tensor(v)]
+    objects = [h for h in holders if not isinstance(h, nn.Module)]
+    slots += [(h, key) for h in objects for key, v in vars(h).items() if torch.is_tensor(v)]
+    return slots + [(group, "lr") for group in (optimizer.param_groups if optimizer else [])]
+
+
+def get_slot(table, key):
+    """A dict's entry or an object's attribute (set as the code sets it: dynamo tracks the two apart)."""
+    return table[key] if isinstance(table, dict) else getattr(table, key)
+
+
+def set_slot(table, key, value) -> None:
+    table.__setitem__(key, value) if isinstance(table, dict) else setattr(table, key, value)
 
 
 def rng_state(state=None):

@@ -1,11 +1,12 @@
-"""K seeds of PPO on CartPole to a fixed number of env steps each, wall time from launch to the last result, all in:
-ppo_cartpole_gpu.py run K times one after another (how K seeds run today), the JAX peer
-(benchmarks/jax_ppo_cartpole.py) run K times, and the JAX peer with all K seeds `jax.vmap`ped in one program
-(PureJaxRL's headline, which an in-process `--num-seeds K` would have to match). Prints one markdown table with the
-command and the machine.
+"""K seeds to a fixed number of env steps each, wall time from launch to the last result and the peak memory, all in
+one run: ppo_cartpole_gpu.py run K times one after another (CleanRL's way), the same with `--num-seeds K` in one
+process (eager and `--compile`), the JAX peer (benchmarks/jax_ppo_cartpole.py) run K times, and the JAX peer with all
+K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tables with the command and the machine.
 
-    python benchmarks/many_seeds.py                       # 16 seeds x 500k steps, ~10 minutes on a 2-core CPU
-    python benchmarks/many_seeds.py --seeds 4 --steps 200000 --compile
+    python benchmarks/many_seeds.py                                   # 16 seeds x 500k steps, ~20 minutes on 2 cores
+    python benchmarks/many_seeds.py --seeds 4 --steps 200000 --no-compile
+    python benchmarks/many_seeds.py --scaling 1 4 16 64 --steps 100000 --plot docs/many_seeds.png  # time per seed
+    python benchmarks/many_seeds.py --brax 8 --steps 100000            # Brax inverted_pendulum, 8 seeds
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import jax
 import torch
@@ -33,44 +35,96 @@ class ManySeedsArgs:
     """K: seeds 1..K"""
     steps: int = 500_000
     """env steps per seed (no target: every run goes the whole way)"""
-    compile: bool = False
-    """one more row: the K sequential runs with --compile (each process compiles)"""
+    compile: bool = True
+    """a row for `--num-seeds K --compile` (one compilation of the stacked iteration, counted)"""
+    scaling: list[int] = field(default_factory=list)
+    """instead: wall time per seed of `--num-seeds K` for each K given (and 1), in one process each"""
+    plot: Optional[str] = None
+    """with --scaling: a PNG of the time per seed against K"""
+    brax: int = 0
+    """instead: this many seeds of ppo_mujoco_brax.py's inverted_pendulum, one after another against --num-seeds"""
 
 
-def timed(commands: list[list[str]]) -> float:
-    """Seconds to run `commands` one after another, each a fresh process in a scratch folder (cold caches)."""
-    start = time.perf_counter()
+def timed(commands: list[list[str]]) -> tuple[float, float]:
+    """Seconds to run `commands` one after another, each a fresh process in a scratch folder (cold caches), and the
+    largest peak resident memory of one of them, in MiB (os.wait4: that child's own)."""
+    start, peak = time.perf_counter(), 0.0
     for command in commands:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
-            subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, check=True)
-    return time.perf_counter() - start
+            proc = subprocess.Popen(command, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            _, status, usage = os.wait4(proc.pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise SystemExit(f"failed: {' '.join(command)}\n{proc.stderr.read().decode()[-2000:]}")
+            proc.stderr.close()
+            peak = max(peak, usage.ru_maxrss / 1024)  # KiB on Linux
+    return time.perf_counter() - start, peak
+
+
+def table(title: str, rows: dict[str, list[list[str]]], k: int) -> dict[str, float]:
+    """Time each row's commands, print the markdown table (the first row is the base of the ratios)."""
+    results = {}
+    for label, commands in rows.items():
+        results[label] = timed(commands)
+        print(f"  {label}: {results[label][0]:.1f} s", file=sys.stderr, flush=True)
+    base = next(iter(results.values()))[0]
+    print(f"\n| {title} | wall s, launch to last result | per seed | vs the first row | peak memory of a process |")
+    print("|---|---|---|---|---|")
+    for label, (seconds, peak) in results.items():
+        print(f"| {label} | {seconds:.1f} | {seconds / k:.1f} | {base / seconds:.2f}x | {peak:,.0f} MiB |")
+    return {label: seconds for label, (seconds, _) in results.items()}
 
 
 def main() -> None:
     bench = tyro.cli(ManySeedsArgs)
-    k, steps = bench.seeds, str(bench.steps)
-    ours = [sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--total-timesteps", steps, "--target-return",
-            "None", "--eval-episodes", "0", "--no-progress-bar"]  # fmt: skip
-    peer = [sys.executable, os.path.join(ROOT, "benchmarks", "jax_ppo_cartpole.py"), "--total-timesteps", steps,
-            "--target-return", "inf"]  # fmt: skip
-    rows = {f"ppo_cartpole_gpu.py, {k} runs one after another": [ours + ["--seed", str(s)] for s in range(1, k + 1)]}
-    if bench.compile:
-        rows[f"ppo_cartpole_gpu.py --compile, {k} runs"] = [
-            ours + ["--seed", str(s), "--compile"] for s in range(1, k + 1)
-        ]
-    rows[f"JAX peer, {k} runs one after another"] = [peer + ["--seed", str(s)] for s in range(1, k + 1)]
-    rows[f"JAX peer, --num-seeds {k} (vmapped, one process)"] = [peer + ["--seed", "1", "--num-seeds", str(k)]]
-    seconds = {}
-    for label, commands in rows.items():
-        seconds[label] = timed(commands)
-        print(f"  {label}: {seconds[label]:.1f} s", file=sys.stderr, flush=True)
-    base = next(iter(seconds.values()))
-    print(f"\n`python {' '.join(sys.argv)}` on {machine(jax)}, {torch.get_num_threads()} torch threads by default\n")
-    print(f"| {k} seeds x {bench.steps:,} steps | wall s, launch to last result | per seed | vs ours, sequential |")
-    print("|---|---|---|---|")
-    for label, s in seconds.items():
-        print(f"| {label} | {s:.1f} | {s / k:.1f} | {base / s:.2f}x |")
+    k, steps, py = bench.seeds, str(bench.steps), sys.executable
+    quiet = ["--eval-episodes", "0", "--no-progress-bar"]
+    script = os.path.join(ROOT, "ppo_cartpole_gpu.py")
+    ours = [py, script, "--total-timesteps", steps, "--target-return", "None", *quiet]
+    print(f"`python {' '.join(sys.argv)}` on {machine(jax)}, {time.strftime('%Y-%m-%d')}", file=sys.stderr)
+    if bench.brax:
+        k = bench.brax
+        brax = [py, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", "inverted_pendulum", "--total-timesteps",
+                steps, "--target-return", "None", *quiet]  # fmt: skip
+        table(f"Brax inverted_pendulum, {k} seeds x {bench.steps:,} steps", {
+            f"ppo_mujoco_brax.py, {k} runs one after another": [brax + ["--seed", str(s)] for s in range(1, k + 1)],
+            f"ppo_mujoco_brax.py --num-seeds {k}": [brax + ["--num-seeds", str(k)]],
+        }, k)  # fmt: skip
+    elif bench.scaling:
+        ks = sorted({1, *bench.scaling})
+        seconds = {n: timed([ours + ["--num-seeds", str(n)]]) for n in ks}
+        print(f"\n| --num-seeds K, {bench.steps:,} steps each | wall s | per seed | vs K=1, per seed | peak memory |")
+        print("|---|---|---|---|---|")
+        for n, (s, peak) in seconds.items():
+            print(f"| {n} | {s:.1f} | {s / n:.2f} | {seconds[1][0] / (s / n):.2f}x | {peak:,.0f} MiB |")
+        if bench.plot:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            ax.plot(ks, [seconds[n][0] / n for n in ks], "o-")
+            ax.set(xscale="log", xlabel="--num-seeds K (one process)", ylabel="wall seconds per seed",
+                   title=f"ppo_cartpole_gpu.py, {bench.steps:,} steps per seed")  # fmt: skip
+            ax.set_xticks(ks, [str(n) for n in ks])
+            ax.set_ylim(bottom=0)
+            fig.tight_layout()
+            fig.savefig(bench.plot, dpi=120)
+    else:
+        peer = [py, os.path.join(ROOT, "benchmarks", "jax_ppo_cartpole.py"), "--total-timesteps", steps,
+                "--target-return", "inf"]  # fmt: skip
+        one_by_one = [ours + ["--seed", str(s)] for s in range(1, k + 1)]
+        rows = {f"ppo_cartpole_gpu.py, {k} runs one after another": one_by_one}
+        rows[f"ppo_cartpole_gpu.py --num-seeds {k} (one process)"] = [ours + ["--num-seeds", str(k)]]
+        if bench.compile:
+            rows[f"ppo_cartpole_gpu.py --num-seeds {k} --compile"] = [ours + ["--num-seeds", str(k), "--compile"]]
+        rows[f"JAX peer, {k} runs one after another"] = [peer + ["--seed", str(s)] for s in range(1, k + 1)]
+        rows[f"JAX peer, --num-seeds {k} (vmapped, one process)"] = [peer + ["--seed", "1", "--num-seeds", str(k)]]
+        seconds = table(f"{k} seeds x {bench.steps:,} steps", rows, k)
+        ours_k, jax_k = seconds[f"ppo_cartpole_gpu.py --num-seeds {k} (one process)"], list(seconds.values())[-1]
+        print(f"\n--num-seeds {k} against the JAX peer vmapped: {jax_k / ours_k:.2f}x (above 1: ours is faster)")
+    print(f"\n`python {' '.join(sys.argv)}` on {machine(jax)}, {torch.get_num_threads()} torch threads by default")
 
 
 if __name__ == "__main__":

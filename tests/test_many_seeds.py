@@ -160,7 +160,6 @@ def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--compile"], "--num-seeds with --compile: torch.compile cannot compile the vmapped iteration"),
     (["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a Tensor in some "
                               "data-dependent control flow"),  # PPO's early stop: a branch per seed
 ])  # fmt: skip
