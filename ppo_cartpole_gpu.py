@@ -880,6 +880,9 @@ class Seeds:
     def __init__(self, args):
         if dist.is_initialized():
             raise UsageError("--num-seeds stacks the seeds in one process: under torchrun, use --num-seeds 1")
+        if args.track:  # wandb's sync_tensorboard patches TensorBoard for one run per process, not K at once
+            raise UsageError("--track with --num-seeds: W&B syncs one run per process; track one seed per process, "
+                             "or upload the K folders afterwards (wandb sync --sync-tensorboard FOLDER)")  # fmt: skip
         k, first, group, dirs = args.num_seeds, args.seed, args.resume or args.load_model, None
         if group and os.path.isfile(os.path.join(group, "summary.json")):  # the K seeds' folders, from their aggregate
             with open(os.path.join(group, "summary.json")) as f:
@@ -894,9 +897,11 @@ class Seeds:
                              load_model=dirs[i] if dirs and args.load_model else args.load_model,
                              capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)
                      for i in range(k)]  # fmt: skip
-        self.flags = args
+        self.flags, self.dirs = args, list(dirs) if args.resume else [None] * k
+        ended = {i for i, d in enumerate(self.dirs) if d and finished(d)}  # --resume: a seed whose run has ended
         self.cond, self.local, self.turn, self.abort = threading.Condition(), threading.local(), 0, False
-        self.live, self.pending, self.results, self.errors = set(range(k)), {}, {}, {}
+        self.live, self.pending, self.results, self.errors = set(range(k)) - ended, {}, {}, {}
+        self.turn = min(self.live, default=0)
         self.entries, self.runs, self.agents = [[] for _ in range(k)], [None] * k, [None] * k
         self.rngs, self.calls, self.signal = [None] * k, {}, 0
 
@@ -904,7 +909,7 @@ class Seeds:
         """Run the K seeds to their ends; write and print their aggregate; raise the first seed's error, if any."""
         Seeds.current, main = self, threading.current_thread() is threading.main_thread()
         threads = [threading.Thread(target=self.seed, args=(i, train), name=f"seed {a.seed}", daemon=True)
-                   for i, a in enumerate(self.args)]  # fmt: skip
+                   for i, a in enumerate(self.args) if i in self.live]  # fmt: skip
         handlers = {s: signal.signal(s, self.stop) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             for thread in threads:
@@ -1061,14 +1066,14 @@ class Seeds:
                 for t, key, value in floats:
                     set_slot(t, key, value)
 
-        run = next(r for r in self.runs if r is not None)
+        run, call.__name__ = next(r for r in self.runs if r is not None), f"{fn.__name__} of {len(entries)} seeds"
         return CudaGraph(call, run, None, ()) if run.device.type == "cuda" else call
 
     def write(self, final: bool) -> None:
         """The aggregate folder's summary.json: the seeds' run folders (--resume it), and at the end their aggregate."""
         if os.path.isfile(path := os.path.join(self.dir, "summary.json")) and not final:
             return
-        dirs = [run.dir if run is not None else None for run in self.runs]
+        dirs = [run.dir if run is not None else d for run, d in zip(self.runs, self.dirs)]
         summaries = []
         for d in dirs if final else ():
             if d is not None and os.path.isfile(os.path.join(d, "summary.json")):
@@ -1081,6 +1086,14 @@ class Seeds:
         if final and summaries:
             resume = f"; go on with --resume {self.dir}" if any(s["status"] == "interrupted" for s in summaries) else ""
             print(f"{len(dirs)} seeds: {line(agg)}; outputs in {self.dir}{resume}")
+
+
+def finished(run_dir: str) -> bool:
+    """Whether the run in `run_dir` has ended (its summary.json says how), so that --resume leaves it as it is."""
+    if not os.path.isfile(path := os.path.join(run_dir, "summary.json")):
+        return False
+    with open(path) as f:
+        return json.load(f)["status"] in ("completed", "target return reached")
 
 
 def stack_slots(optimizer, holders) -> list[tuple]:

@@ -222,3 +222,21 @@ def test_the_same_seed_trains_alike_in_two_processes_on_cuda(tmp_path):
         result = run_script("ppo_cartpole_gpu", *flags, "--exp-name", name, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
     assert scalars(run_dir(tmp_path, "first")) == scalars(run_dir(tmp_path, "second"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_stacked_seeds_recorded_equal_stacked_seeds_unrecorded_on_cuda(name, in_tmp, capsys):
+    """--num-seeds 2 on cuda: the stacked call recorded once as a CUDA graph and replayed gives each seed the
+    scalars and weights of the stacked call run as written, and the seeds differ."""
+    from test_many_seeds import folders
+
+    module = import_script(name)
+    args = small_args(module, device="cuda", num_seeds=2)
+    graphed = module.train_seeds(module.train, replace(args, cuda_graph=True, exp_name="graph"))
+    assert any("--cuda-graph: recorded" in line for line in capsys.readouterr().err.splitlines())
+    loop = module.train_seeds(module.train, replace(args, cuda_graph=False, exp_name="loop"))
+    for k in range(2):
+        for key, value in loop[k].state_dict().items():
+            assert torch.equal(value, graphed[k].state_dict()[key]), f"seed {k + 1}: {key}"
+        assert scalars(folders(in_tmp, "graph")[1][k]) == scalars(folders(in_tmp, "loop")[1][k])
+    assert not torch.equal(loop[0].actor[0].weight, loop[1].actor[0].weight)

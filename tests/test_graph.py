@@ -118,3 +118,29 @@ def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, 
     why = {"sgd": "SGD has no capturable mode", "recording fails": failed}
     assert notes == [f"note: --cuda-graph: one_iteration runs as written, not as a CUDA graph: {why[trouble]}"]
     assert_same_run(in_tmp, "plain", "replayed")
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_two_stacked_seeds_replayed_equal_the_stacked_call_as_written(name, in_tmp, monkeypatch, capsys):
+    """--num-seeds 2: the stacked (vmapped) call inside a `CudaGraph`, replayed on the CPU over its recorded memory,
+    gives each seed the scalars and weights of the stacked call run as written."""
+    from test_many_seeds import folders
+
+    module = import_script(name)
+    args = small_args(module, num_seeds=2, cuda_graph=True)
+    plain = module.train_seeds(module.train, replace(args, exp_name="plain"))
+    stacked = module.Seeds.vmapped
+
+    def vmapped(self, *args):  # as on a GPU: the stacked call given to a CudaGraph
+        run = next(r for r in self.runs if r is not None)
+        return module.CudaGraph(stacked(self, *args), run, None, ())
+
+    monkeypatch.setattr(module.Seeds, "vmapped", vmapped)
+    monkeypatch.setattr(module.CudaGraph, "record", lambda self, body: body)
+    replayed = module.train_seeds(module.train, replace(args, exp_name="replayed"))
+    assert " of 2 seeds as one CUDA graph" in capsys.readouterr().err
+    for k in range(2):
+        for key, value in plain[k].state_dict().items():
+            assert torch.equal(value, replayed[k].state_dict()[key]), f"seed {k + 1}: {key}"
+        assert scalars(folders(in_tmp, "plain")[1][k]) == scalars(folders(in_tmp, "replayed")[1][k])

@@ -501,3 +501,81 @@ def test_a_failing_test_that_compiled_shows_no_torch_debug_log(tmp_path):
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout[-3000:]
     assert "DEBUG" not in run.stdout and len(run.stdout.splitlines()) < 60, run.stdout[-3000:]
+
+
+# Many seeds -----------------------------------------------------------------------------------
+def annealed_buffer(module, monkeypatch) -> None:
+    """An entropy coefficient in a buffer of the agent, halved in place after each iteration (as above)."""
+    real_loss, real_log = getattr(module, LOSS[origin(module.__name__)]), module.Run.log
+
+    class Annealed(module.Agent):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.register_buffer("ent_coef", torch.tensor(0.05))
+
+    def loss_fn(agent, args, batch):
+        loss, stats = real_loss(agent, args, batch)
+        return loss - agent.ent_coef * agent(batch.obs, batch.actions)[1].mean(), stats
+
+    def log(self, *args, **kwargs):
+        self.agent.ent_coef.mul_(0.5)
+        return real_log(self, *args, **kwargs)
+
+    monkeypatch.setattr(module, "Agent", Annealed)
+    monkeypatch.setattr(module, LOSS[origin(module.__name__)], loss_fn)
+    monkeypatch.setattr(module.Run, "log", log)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("change", ["buffer", "env", "dropout"])
+def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name, in_tmp, monkeypatch):
+    """With --num-seeds 2, a buffer the loss reads and train() anneals, another env (in `make_envs`, where a copy
+    adds it) and dropout each stay each seed's own in the stacked call, and two seeds stopped by SIGTERM and resumed
+    train as the two straight through: the same scalars and weights."""
+    from test_many_seeds import folders, train_seeds
+
+    if change == "dropout" and origin(name) == "reinforce":  # docs/modifying.md#many-seeds: its seeds are not in step
+        pytest.skip("REINFORCE's stacked chunks draw dropout for the seeds in step then, which a resume changes")
+    module = import_script(name)
+    if change == "buffer":
+        annealed_buffer(module, monkeypatch)
+    if change == "env":
+        monkeypatch.setattr(module, "make_envs", lambda args, device, envs=None, rank=0: Pendulum(
+            args.num_envs, device, args.seed + rank))  # fmt: skip
+    if change == "dropout":
+        monkeypatch.setattr(module, "Agent", with_dropout(module))
+    args = small_args(module, num_seeds=2, eval_episodes=0)
+    whole = train_seeds(module, replace(args, exp_name="whole"))
+    stop_with_sigterm_at(module, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(module, replace(args, exp_name="cut"))
+    resumed = train_seeds(module, replace(args, exp_name="cut", resume=folders(in_tmp, "cut")[0]))
+    if change == "env":
+        assert whole[0].actor[0].in_features == Pendulum.obs_dim
+    if change == "buffer":
+        assert all(agent.ent_coef < 0.05 for agent in whole)  # annealed, each seed's own (compared below)
+    assert not torch.equal(whole[0].actor[0].weight, whole[1].actor[0].weight)
+    for k, (a, b) in enumerate(zip(folders(in_tmp, "whole")[1], folders(in_tmp, "cut")[1])):
+        assert scalars(a) == scalars(b), f"seed {k + 1}"
+        for (key, x), y in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
+            assert torch.equal(x, y), f"seed {k + 1}: {key}"
+
+
+@pytest.mark.parametrize("change, message", [
+    ("shared", "--num-seeds: the stacked seeds take plain Adam's step"),  # a parameter in two places
+    ("adamw", "--num-seeds: the stacked seeds take plain Adam's step"),
+    ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
+])  # fmt: skip
+def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, message, in_tmp, monkeypatch):
+    """What the stacked call cannot give each seed its own of (the optimizer's step, a tensor the loss reads by
+    closure) stops the run at start in one line, not with seed 1's value silently used for every seed."""
+    module = import_script("ppo_cartpole_gpu")
+    if change == "shared":
+        monkeypatch.setattr(module, "Agent", shared_trunk(module))
+    if change == "adamw":
+        adamw_two_groups(module, monkeypatch)
+    if change == "state":
+        adaptive_penalty(module, monkeypatch)
+    result = call_main("ppo_cartpole_gpu", "--num-seeds", "2", *short_flags("ppo_cartpole_gpu"), cwd=in_tmp)
+    assert_one_error_line(result, message)
