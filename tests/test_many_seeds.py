@@ -197,3 +197,22 @@ def test_four_stacked_seeds_solve_cartpole(in_tmp):
     assert all(s["solved_at_step"] <= 400_000 and s["eval_mean_return"] >= 475 for s in runs), runs
     agg = read_json(os.path.join(group, "summary.json"))
     assert agg["target_reached"] == 4 and agg["eval_iqm"] >= 475
+
+
+def test_two_stacked_brax_seeds_stopped_and_resumed_equal_one_run(in_tmp, monkeypatch):
+    """Brax: each seed steps its own BraxVecEnv in JAX in turn, the update runs stacked (with the agent's observation
+    normaliser in its buffers); stopped by SIGTERM and resumed, both seeds end as the two straight through."""
+    B = import_script("ppo_mujoco_brax")
+    args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
+                  total_timesteps=16 * 10 * 6, target_return=None, progress_bar=False, eval_episodes=0,
+                  device="cpu", num_seeds=2)  # fmt: skip
+    whole = train_seeds(B, replace(args, exp_name="whole"))
+    stop_with_sigterm_at(B, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(B, replace(args, exp_name="cut"))
+    resumed = train_seeds(B, replace(args, exp_name="cut", resume=folders(in_tmp, "cut")[0]))
+    assert not torch.equal(whole[0].actor_mean[0].weight, whole[1].actor_mean[0].weight)
+    for k, (a, b) in enumerate(zip(folders(in_tmp, "whole")[1], folders(in_tmp, "cut")[1])):
+        assert scalars(a) == scalars(b), f"seed {k + 1}"
+        for (name, x), y in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
+            assert torch.equal(x, y), f"seed {k + 1}: {name}"
