@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_checklist.sh brax          # ant: ppo_mujoco_brax.py against Brax's own PPO
 #   bash benchmarks/gpu_checklist.sh graph         # --cuda-graph against the loop and the JAX peer (PPO: 128 to 65,536
 #                                                  # envs, eager and compiled; VPG and REINFORCE at 4,096)
+#   bash benchmarks/gpu_checklist.sh seeds         # --num-seeds on cuda: the stacked seeds recorded (tests), then
+#                                                  # K = 1 and 256 at 128 envs x 100k steps (with --cuda-graph), and
+#                                                  # the JAX peer vmapped over 256 seeds
 set -u
 LOGS=${LOGS:-gpu_logs}
 mkdir -p "$LOGS"
@@ -54,8 +57,17 @@ graph)
   timeout 120 $PY benchmarks/cuda_graph.py --scripts vpg reinforce --sizes 4096 --modes loop graph --iterations 100 \
     --no-jax 2>&1 | tee "$LOGS/graph_vpg_reinforce.log"
   ;;
+seeds)
+  timeout 240 $PY -m pytest -q tests/test_cuda.py -k stacked 2>&1 | tee "$LOGS/seeds_tests.log"
+  for k in 1 256; do
+    timed "seeds_$k" $PY ppo_cartpole_gpu.py --num-seeds $k --cuda-graph --total-timesteps 100000 \
+      --target-return None --eval-episodes 0 --no-progress-bar --exp-name "seeds$k"
+  done
+  timed seeds_jax_256 $PY benchmarks/jax_ppo_cartpole.py --num-seeds 256 --total-timesteps 100000 \
+    --target-return inf
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax|graph" >&2
+  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax|graph|seeds" >&2
   exit 2
   ;;
 esac
