@@ -668,9 +668,10 @@ def hot_phases(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args
         return *map(compiled, phases), functools.partial(gradient_step, agent, optimizer, compiled(loss_fn), args)
     build = compiled if args.compile and not stacked else lambda fn: fn  # noqa: E731 (`Seeds` compiles what it stacks)
     step, device = build(functional_gradient_step(agent, optimizer, loss_fn, args)), next(agent.parameters()).device
+    group = optimizer.param_groups[0]  # (the dict: dynamo, seeing the optimizer in a graph, would set it capturable)
 
-    def functional_step(*batch_idx):  # the rate as the param group has it now (--resume replaces the groups), in a
-        lr = optimizer.param_groups[0]["lr"]  # tensor: as a float it would be a constant, recompiled every iteration
+    def functional_step(*batch_idx):  # the rate as the param group has it now (--resume replaced the groups before),
+        lr = group["lr"]  # in a tensor: as a float it would be a constant, compiled again at every iteration
         return step(lr if torch.is_tensor(lr) else torch.tensor(lr, device=device), *batch_idx)
 
     return *map(build, phases), functional_step
