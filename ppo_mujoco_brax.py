@@ -909,9 +909,9 @@ class Seeds:
                      for i in range(k)]  # fmt: skip
         self.flags, self.dirs = args, list(dirs) if args.resume else [None] * k
         ended = {i for i, d in enumerate(self.dirs) if d and finished(d)}  # --resume: a seed whose run has ended
-        self.cond, self.local, self.turn, self.abort = threading.Condition(), threading.local(), 0, False
         self.live, self.pending, self.results, self.errors = set(range(k)) - ended, {}, {}, {}
-        self.turn = min(self.live, default=0)
+        self.cond, self.local, self.abort = threading.Condition(), threading.local(), False
+        self.turn = min(self.live, default=0)  # the seed whose Python runs now
         self.entries, self.runs, self.agents = [[] for _ in range(k)], [None] * k, [None] * k
         self.rngs, self.calls, self.signal = [None] * k, {}, 0
 

@@ -37,6 +37,25 @@ def train_seeds(module, args):
     return module.train_seeds(module.train, args)
 
 
+def stacked_stopped_and_resumed(module, args, tmp, monkeypatch):
+    """K stacked seeds trained straight through ("whole") and stopped by SIGTERM after iteration 3 ("cut"), then
+    resumed from their aggregate folder; asserts each seed's scalars and weights are the straight run's and returns
+    (whole's agents, the resumed agents, the stopped seeds' summaries)."""
+    whole = train_seeds(module, replace(args, exp_name="whole"))
+    stop_with_sigterm_at(module, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(module, replace(args, exp_name="cut"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Seeds put the handlers back
+    group, dirs = folders(tmp, "cut")
+    stopped = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    resumed = train_seeds(module, replace(args, exp_name="cut", resume=group))
+    for k, d in enumerate(folders(tmp, "whole")[1]):
+        assert scalars(dirs[k]) == scalars(d), f"seed {k + 1}"
+        for (name, a), b in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
+            assert torch.equal(a, b), f"seed {k + 1}: {name}"
+    return whole, resumed, stopped
+
+
 @pytest.mark.behaviour
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_two_seeds_in_one_process_are_two_runs_and_their_aggregate(script, in_tmp):
@@ -110,22 +129,10 @@ def test_two_seeds_stopped_and_resumed_equal_one_run(script, in_tmp, monkeypatch
     """Two stacked seeds stopped by SIGTERM (after the same stacked call, with checkpoints) and resumed from their
     aggregate folder: each seed's scalars and weights are those of the two trained straight through."""
     module = import_script(script)
-    args = small_args(module, num_seeds=2)
-    whole = train_seeds(module, replace(args, exp_name="whole"))
-    stop_with_sigterm_at(module, monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        train_seeds(module, replace(args, exp_name="cut"))
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Seeds put the handlers back
-    group, dirs = folders(in_tmp, "cut")
-    stopped = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    _, _, stopped = stacked_stopped_and_resumed(module, small_args(module, num_seeds=2), in_tmp, monkeypatch)
     assert [s["status"] for s in stopped] == ["interrupted"] * 2
     if script != "reinforce":  # its seeds' rollouts take different numbers of chunks: not in step by iteration
         assert stopped[0]["iterations"] == stopped[1]["iterations"]
-    resumed = train_seeds(module, replace(args, exp_name="cut", resume=group))
-    for k, d in enumerate(folders(in_tmp, "whole")[1]):
-        assert scalars(dirs[k]) == scalars(d), f"seed {k + 1}"
-        for (name, a), b in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
-            assert torch.equal(a, b), f"seed {k + 1}: {name}"
 
 
 def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_path):
@@ -206,13 +213,5 @@ def test_two_stacked_brax_seeds_stopped_and_resumed_equal_one_run(in_tmp, monkey
     args = B.Args(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, norm_obs="on",
                   total_timesteps=16 * 10 * 6, target_return=None, progress_bar=False, eval_episodes=0,
                   device="cpu", num_seeds=2)  # fmt: skip
-    whole = train_seeds(B, replace(args, exp_name="whole"))
-    stop_with_sigterm_at(B, monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        train_seeds(B, replace(args, exp_name="cut"))
-    resumed = train_seeds(B, replace(args, exp_name="cut", resume=folders(in_tmp, "cut")[0]))
+    whole, _, _ = stacked_stopped_and_resumed(B, args, in_tmp, monkeypatch)
     assert not torch.equal(whole[0].actor_mean[0].weight, whole[1].actor_mean[0].weight)
-    for k, (a, b) in enumerate(zip(folders(in_tmp, "whole")[1], folders(in_tmp, "cut")[1])):
-        assert scalars(a) == scalars(b), f"seed {k + 1}"
-        for (name, x), y in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
-            assert torch.equal(x, y), f"seed {k + 1}: {name}"

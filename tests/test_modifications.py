@@ -370,14 +370,9 @@ def test_a_flag_changed_during_training_is_refused_in_one_line(name, in_tmp, mon
     assert last.startswith("error: cannot assign to field 'ent_coef'") and "docs/modifying.md#" in last, last
 
 
-@pytest.mark.behaviour
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_a_coefficient_annealed_in_a_buffer_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
-    """docs/modifying.md's pattern for a value that changes in training: an entropy coefficient in a buffer of the
-    agent, halved in place after each iteration, read by the loss; eager, compiled and resumed train alike, and the
-    resumed run's coefficient went on from the checkpoint's."""
-    module = import_script(name)
-    real_loss, real_log = getattr(module, LOSS[origin(name)]), module.Run.log
+def annealed_buffer(module, monkeypatch) -> None:
+    """An entropy coefficient in a buffer of the agent, read by the loss and halved in place after each iteration."""
+    real_loss, real_log = getattr(module, LOSS[origin(module.__name__)]), module.Run.log
 
     class Annealed(module.Agent):
         def __init__(self, *args):
@@ -393,8 +388,18 @@ def test_a_coefficient_annealed_in_a_buffer_trains_alike_compiled_and_resumed(na
         return real_log(self, *args, **kwargs)
 
     monkeypatch.setattr(module, "Agent", Annealed)
-    monkeypatch.setattr(module, LOSS[origin(name)], loss_fn)
+    monkeypatch.setattr(module, LOSS[origin(module.__name__)], loss_fn)
     monkeypatch.setattr(module.Run, "log", log)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_coefficient_annealed_in_a_buffer_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """docs/modifying.md's pattern for a value that changes in training: an entropy coefficient in a buffer of the
+    agent, halved in place after each iteration, read by the loss; eager, compiled and resumed train alike, and the
+    resumed run's coefficient went on from the checkpoint's."""
+    module = import_script(name)
+    annealed_buffer(module, monkeypatch)
     eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
     iterations = read_json(os.path.join(run_dir(in_tmp, "cut"), "summary.json"))["iterations"]
     assert torch.equal(resumed.ent_coef, eager.ent_coef) and torch.equal(
@@ -504,28 +509,6 @@ def test_a_failing_test_that_compiled_shows_no_torch_debug_log(tmp_path):
 
 
 # Many seeds -----------------------------------------------------------------------------------
-def annealed_buffer(module, monkeypatch) -> None:
-    """An entropy coefficient in a buffer of the agent, halved in place after each iteration (as above)."""
-    real_loss, real_log = getattr(module, LOSS[origin(module.__name__)]), module.Run.log
-
-    class Annealed(module.Agent):
-        def __init__(self, *args):
-            super().__init__(*args)
-            self.register_buffer("ent_coef", torch.tensor(0.05))
-
-    def loss_fn(agent, args, batch):
-        loss, stats = real_loss(agent, args, batch)
-        return loss - agent.ent_coef * agent(batch.obs, batch.actions)[1].mean(), stats
-
-    def log(self, *args, **kwargs):
-        self.agent.ent_coef.mul_(0.5)
-        return real_log(self, *args, **kwargs)
-
-    monkeypatch.setattr(module, "Agent", Annealed)
-    monkeypatch.setattr(module, LOSS[origin(module.__name__)], loss_fn)
-    monkeypatch.setattr(module.Run, "log", log)
-
-
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize("change", ["buffer", "env", "dropout"])
@@ -533,7 +516,7 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
     """With --num-seeds 2, a buffer the loss reads and train() anneals, another env (in `make_envs`, where a copy
     adds it) and dropout each stay each seed's own in the stacked call, and two seeds stopped by SIGTERM and resumed
     train as the two straight through: the same scalars and weights."""
-    from test_many_seeds import folders, train_seeds
+    from test_many_seeds import stacked_stopped_and_resumed
 
     if change == "dropout" and origin(name) == "reinforce":  # docs/modifying.md#many-seeds: its seeds are not in step
         pytest.skip("REINFORCE's stacked chunks draw dropout for the seeds in step then, which a resume changes")
@@ -545,21 +528,13 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
             args.num_envs, device, args.seed + rank))  # fmt: skip
     if change == "dropout":
         monkeypatch.setattr(module, "Agent", with_dropout(module))
-    args = small_args(module, num_seeds=2, eval_episodes=0)
-    whole = train_seeds(module, replace(args, exp_name="whole"))
-    stop_with_sigterm_at(module, monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        train_seeds(module, replace(args, exp_name="cut"))
-    resumed = train_seeds(module, replace(args, exp_name="cut", resume=folders(in_tmp, "cut")[0]))
+    whole, resumed, _ = stacked_stopped_and_resumed(module, small_args(module, num_seeds=2, eval_episodes=0), in_tmp,
+                                                    monkeypatch)  # fmt: skip
     if change == "env":
         assert whole[0].actor[0].in_features == Pendulum.obs_dim
     if change == "buffer":
-        assert all(agent.ent_coef < 0.05 for agent in whole)  # annealed, each seed's own (compared below)
+        assert all(agent.ent_coef < 0.05 for agent in whole)  # annealed, each seed's own (compared in the helper)
     assert not torch.equal(whole[0].actor[0].weight, whole[1].actor[0].weight)
-    for k, (a, b) in enumerate(zip(folders(in_tmp, "whole")[1], folders(in_tmp, "cut")[1])):
-        assert scalars(a) == scalars(b), f"seed {k + 1}"
-        for (key, x), y in zip(whole[k].state_dict().items(), resumed[k].state_dict().values()):
-            assert torch.equal(x, y), f"seed {k + 1}: {key}"
 
 
 @pytest.mark.parametrize("change, message", [
