@@ -123,6 +123,8 @@ class Args:
     """the W&B project"""
     wandb_entity: Optional[str] = None
     """the W&B entity (team); None uses your default"""
+    wandb_group: Optional[str] = None
+    """the W&B group of the run (--num-seeds: each seed's run in the group of their aggregate folder's name)"""
     capture_video: bool = False
     """save a grid video of up to 16 envs' frames from the rollout every `video-interval` iterations"""
     video_interval: int = 100
@@ -657,11 +659,11 @@ class Run(contextlib.AbstractContextManager):
             for tensor in [v] if torch.is_tensor(v) else v.state_dict().values():  # statistics and your state
                 dist.broadcast(tensor, src=0)
         if self.rank == 0:
-            if a.track:
-                self.wandb = importlib.import_module("wandb")
-                self.wandb.init(project=a.wandb_project_name, entity=a.wandb_entity, config=asdict(a), resume="allow",
-                                name=os.path.basename(self.dir), sync_tensorboard=True,
-                                id=self.saved and self.saved["wandb_id"])  # fmt: skip
+            if a.track:  # a W&B run of its own (--num-seeds: K runs in one process), given the scalars by `log`
+                self.wandb = importlib.import_module("wandb").init(project=a.wandb_project_name, entity=a.wandb_entity,
+                    config=asdict(a), reinit="create_new", name=os.path.basename(self.dir), resume="allow",
+                    id=self.saved and self.saved["wandb_id"], group=a.wandb_group)  # fmt: skip
+                self.wandb.define_metric("*", step_metric="global_step")  # TensorBoard's x-axis
             # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
             self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
             table = "".join(f"\n|{key}|{value}|" for key, value in asdict(a).items())
@@ -687,9 +689,7 @@ class Run(contextlib.AbstractContextManager):
         """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `start`."""
         return {k: v for k, v in self.stateful.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
 
-    def greedy(self, play, *args):
-        """`play(agent, *args)` (an evaluation, a video) with the agent in eval mode (dropout off), then back in train
-        mode, which the rollout and the loss keep."""
+    def greedy(self, play, *args):  # play(agent, *args), an evaluation or a video, in eval mode (dropout off)
         self.agent.eval()
         try:
             return play(self.agent, *args)
@@ -738,9 +738,11 @@ class Run(contextlib.AbstractContextManager):
         scalars = {"charts/learning_rate": self.optimizer.param_groups[0]["lr"], "charts/SPS": sps} | values
         if len(returns):
             scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
+        scalars = {tag: float(value) for tag, value in scalars.items() if value is not None and not math.isnan(value)}
         for tag, value in scalars.items() if self.rank == 0 else ():
-            if value is not None and not math.isnan(value):
-                self.writer.add_scalar(tag, value, c["global_step"])
+            self.writer.add_scalar(tag, value, c["global_step"])
+        if self.wandb is not None:  # not W&B's sync_tensorboard: it follows one run per process
+            self.wandb.log(scalars | {"global_step": c["global_step"]})
         if self.progress is not None:
             self.progress.update(steps)
             self.progress.set_postfix(SPS=sps, ret=f"{np.mean(self.recent_returns or [np.nan]):.1f}", refresh=False)
@@ -748,7 +750,7 @@ class Run(contextlib.AbstractContextManager):
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
             if self.greedy(record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
-                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+                self.wandb.log({"videos/training": sys.modules["wandb"].Video(path, format="mp4")})
         if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
             self.save_checkpoint()
         if stop_signal:
@@ -791,7 +793,7 @@ class Run(contextlib.AbstractContextManager):
             checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
                 "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
                 "counters": self.counters, "recent_returns": list(self.recent_returns),
-                "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+                "wandb_id": self.wandb and self.wandb.id}  # fmt: skip
             path = os.path.join(self.dir, "checkpoint.pt")
             with open(path + ".tmp", "wb") as f:
                 torch.save(checkpoint, f)
@@ -842,8 +844,10 @@ class Run(contextlib.AbstractContextManager):
                 s["eval_returns"] = self.eval_returns if reuse else self.greedy(evaluate, self.envs, a, video)
                 s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
+                if self.wandb is not None:  # at the last global_step (define_metric's step_sync)
+                    self.wandb.log({"eval/episodic_return": s["eval_mean_return"]})
                 if video and os.path.exists(video) and self.wandb is not None:
-                    self.wandb.log({"videos/evaluation": self.wandb.Video(video, format="mp4")})
+                    self.wandb.log({"videos/evaluation": sys.modules["wandb"].Video(video, format="mp4")})
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(a)}, f, indent=2)
         self.writer.close()
@@ -886,7 +890,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
     if not os.path.isfile(file) and os.path.isfile(group := os.path.join(path, "summary.json")):  # K seeds' folder:
         with open(group) as f:  # the first seed's checkpoint, for K seeds
-            dirs = json.load(f).get("run_dirs") or [path]
+            dirs = json.load(f).get("run_dirs") or [file]  # a run's own: no checkpoint
         saved = read_checkpoint(dirs[0], flag)
         return saved | {"args": saved["args"] | {"num_seeds": len(dirs)}}
     if not os.path.isfile(file):

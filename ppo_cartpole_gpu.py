@@ -117,6 +117,8 @@ class Args:
     """the W&B project"""
     wandb_entity: Optional[str] = None
     """the W&B entity (team); None uses your default"""
+    wandb_group: Optional[str] = None
+    """the W&B group of the run (--num-seeds: each seed's run in the group of their aggregate folder's name)"""
     capture_video: bool = False
     """every `video-interval` iterations, film whole greedy episodes of 16 new envs (a 4x4 grid MP4)"""
     video_interval: int = 25
@@ -865,8 +867,7 @@ class CudaGraph:
 
 
 def train_seeds(train, args) -> list:
-    """`train(args)`; with --num-seeds K > 1 the seeds --seed ... --seed + K - 1 in this process (`Seeds`), a run folder
-    each and their aggregate. Returns the agents."""
+    """`train(args)`, or --num-seeds K > 1 seeds in this process (`Seeds`): a run folder each, their aggregate."""
     return [train(args)] if args.num_seeds == 1 else Seeds(args).train(train)
 
 
@@ -881,26 +882,24 @@ class Seeds:
     def __init__(self, args):
         if dist.is_initialized():
             raise UsageError("--num-seeds stacks the seeds in one process: under torchrun, use --num-seeds 1")
-        if args.track:  # wandb's sync_tensorboard patches TensorBoard for one run per process, not K at once
-            raise UsageError("--track with --num-seeds: W&B syncs one run per process; track one seed per process, "
-                             "or upload the K folders afterwards (wandb sync --sync-tensorboard FOLDER)")  # fmt: skip
-        k, first, group, dirs = args.num_seeds, args.seed, args.resume or args.load_model, None
-        if group and os.path.isfile(os.path.join(group, "summary.json")):  # the K seeds' folders, from their aggregate
-            with open(os.path.join(group, "summary.json")) as f:
-                dirs = json.load(f).get("run_dirs")
+        k, first = args.num_seeds, args.seed  # with --resume/--load-model: the K seeds' folders, from their aggregate
+        dirs = (read_summary(args.resume or args.load_model) or {}).get("run_dirs")
         if (args.resume or dirs) and len(dirs or []) != k:
             flag = "--resume" if args.resume else "--load-model"
             raise UsageError(f"{flag} with --num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-"
                              f"{first + k - 1}__..), or --load-model one model for all")  # fmt: skip
         self.dir = args.resume or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{first}-{first + k - 1}__"
                                                        f"{int(time.time())}")  # fmt: skip
-        self.args = [replace(args, seed=first + i, num_seeds=1, resume=args.resume and dirs[i],
+        group = args.wandb_group or os.path.basename(os.path.normpath(self.dir))  # --track: a W&B run per seed
+        self.args = [replace(args, seed=first + i, num_seeds=1, resume=args.resume and dirs[i], wandb_group=group,
                              load_model=dirs[i] if dirs and args.load_model else args.load_model,
                              capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)
                      for i in range(k)]  # fmt: skip
         self.flags, self.dirs = args, list(dirs) if args.resume else [None] * k
-        ended = {i for i, d in enumerate(self.dirs) if d and finished(d)}  # --resume: a seed whose run has ended
+        ended = {i for i, d in enumerate(self.dirs) if d and finished(d, args)}  # --resume: a seed whose run has ended
         self.live, self.pending, self.results, self.errors = set(range(k)) - ended, {}, {}, {}
+        if args.resume and not self.live:  # as `Run.start` says for one seed
+            raise UsageError(f"--resume {args.resume}: each seed has ended; raise --total-timesteps or --target-return")
         self.cond, self.local, self.abort = threading.Condition(), threading.local(), False
         self.turn = min(self.live, default=0)  # the seed whose Python runs now
         self.entries, self.runs, self.agents = [[] for _ in range(k)], [None] * k, [None] * k
@@ -1075,11 +1074,7 @@ class Seeds:
         if os.path.isfile(path := os.path.join(self.dir, "summary.json")) and not final:
             return
         dirs = [run.dir if run is not None else d for run, d in zip(self.runs, self.dirs)]
-        summaries = []
-        for d in dirs if final else ():
-            if d is not None and os.path.isfile(os.path.join(d, "summary.json")):
-                with open(os.path.join(d, "summary.json")) as f:
-                    summaries.append(json.load(f))
+        summaries = [summary for summary in map(read_summary, dirs if final else []) if summary is not None]
         agg = aggregate(summaries) if summaries else {}
         os.makedirs(self.dir, exist_ok=True)
         with open(path, "w") as f:
@@ -1089,12 +1084,19 @@ class Seeds:
             print(f"{len(dirs)} seeds: {line(agg)}; outputs in {self.dir}{resume}")
 
 
-def finished(run_dir: str) -> bool:
-    """Whether the run in `run_dir` has ended (its summary.json says how), so that --resume leaves it as it is."""
-    if not os.path.isfile(path := os.path.join(run_dir, "summary.json")):
-        return False
+def read_summary(folder: Optional[str]) -> Optional[dict]:
+    """A run folder's or an aggregate folder's summary.json; None where there is none."""
+    if folder is None or not os.path.isfile(path := os.path.join(folder, "summary.json")):
+        return None
     with open(path) as f:
-        return json.load(f)["status"] in ("completed", "target return reached")
+        return json.load(f)
+
+
+def finished(run_dir: str, args) -> bool:
+    """Whether `run_dir`'s run has ended as `args` would end it (`Run.start` would refuse it): --resume leaves it."""
+    s = read_summary(run_dir) or {"status": None}
+    done = s["status"] == "completed" and s["args"]["total_timesteps"] >= args.total_timesteps
+    return done or s["status"] == "target return reached" and s["args"]["target_return"] == args.target_return
 
 
 def stack_slots(optimizer, holders) -> list[tuple]:
@@ -1237,11 +1239,11 @@ class Run(contextlib.AbstractContextManager):
             for tensor in [v] if torch.is_tensor(v) else v.state_dict().values():  # statistics and your state
                 dist.broadcast(tensor, src=0)
         if self.rank == 0:
-            if a.track:
-                self.wandb = importlib.import_module("wandb")
-                self.wandb.init(project=a.wandb_project_name, entity=a.wandb_entity, config=asdict(a), resume="allow",
-                                name=os.path.basename(self.dir), sync_tensorboard=True,
-                                id=self.saved and self.saved["wandb_id"])  # fmt: skip
+            if a.track:  # a W&B run of its own (--num-seeds: K runs in one process), given the scalars by `log`
+                self.wandb = importlib.import_module("wandb").init(project=a.wandb_project_name, entity=a.wandb_entity,
+                    config=asdict(a), reinit="create_new", name=os.path.basename(self.dir), resume="allow",
+                    id=self.saved and self.saved["wandb_id"], group=a.wandb_group)  # fmt: skip
+                self.wandb.define_metric("*", step_metric="global_step")  # TensorBoard's x-axis
             # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
             self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
             table = "".join(f"\n|{key}|{value}|" for key, value in asdict(a).items())
@@ -1267,9 +1269,7 @@ class Run(contextlib.AbstractContextManager):
         """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `start`."""
         return {k: v for k, v in self.stateful.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
 
-    def greedy(self, play, *args):
-        """`play(agent, *args)` (an evaluation, a video) with the agent in eval mode (dropout off), then back in train
-        mode, which the rollout and the loss keep."""
+    def greedy(self, play, *args):  # play(agent, *args), an evaluation or a video, in eval mode (dropout off)
         self.agent.eval()
         try:
             return play(self.agent, *args)
@@ -1318,9 +1318,11 @@ class Run(contextlib.AbstractContextManager):
         scalars = {"charts/learning_rate": self.optimizer.param_groups[0]["lr"], "charts/SPS": sps} | values
         if len(returns):
             scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
+        scalars = {tag: float(value) for tag, value in scalars.items() if value is not None and not math.isnan(value)}
         for tag, value in scalars.items() if self.rank == 0 else ():
-            if value is not None and not math.isnan(value):
-                self.writer.add_scalar(tag, value, c["global_step"])
+            self.writer.add_scalar(tag, value, c["global_step"])
+        if self.wandb is not None:  # not W&B's sync_tensorboard: it follows one run per process
+            self.wandb.log(scalars | {"global_step": c["global_step"]})
         if self.progress is not None:
             self.progress.update(steps)
             self.progress.set_postfix(SPS=sps, ret=f"{np.mean(self.recent_returns or [np.nan]):.1f}", refresh=False)
@@ -1328,7 +1330,7 @@ class Run(contextlib.AbstractContextManager):
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
             if self.greedy(record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
-                self.wandb.log({"videos/training": self.wandb.Video(path, format="mp4")})
+                self.wandb.log({"videos/training": sys.modules["wandb"].Video(path, format="mp4")})
         if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
             self.save_checkpoint()
         if stop_signal:
@@ -1371,7 +1373,7 @@ class Run(contextlib.AbstractContextManager):
             checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
                 "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
                 "counters": self.counters, "recent_returns": list(self.recent_returns),
-                "wandb_id": self.wandb and self.wandb.run.id}  # fmt: skip
+                "wandb_id": self.wandb and self.wandb.id}  # fmt: skip
             path = os.path.join(self.dir, "checkpoint.pt")
             with open(path + ".tmp", "wb") as f:
                 torch.save(checkpoint, f)
@@ -1422,8 +1424,10 @@ class Run(contextlib.AbstractContextManager):
                 s["eval_returns"] = self.eval_returns if reuse else self.greedy(evaluate, self.envs, a, video)
                 s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
                 self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
+                if self.wandb is not None:  # at the last global_step (define_metric's step_sync)
+                    self.wandb.log({"eval/episodic_return": s["eval_mean_return"]})
                 if video and os.path.exists(video) and self.wandb is not None:
-                    self.wandb.log({"videos/evaluation": self.wandb.Video(video, format="mp4")})
+                    self.wandb.log({"videos/evaluation": sys.modules["wandb"].Video(video, format="mp4")})
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(a)}, f, indent=2)
         self.writer.close()
@@ -1466,7 +1470,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
     if not os.path.isfile(file) and os.path.isfile(group := os.path.join(path, "summary.json")):  # K seeds' folder:
         with open(group) as f:  # the first seed's checkpoint, for K seeds
-            dirs = json.load(f).get("run_dirs") or [path]
+            dirs = json.load(f).get("run_dirs") or [file]  # a run's own: no checkpoint
         saved = read_checkpoint(dirs[0], flag)
         return saved | {"args": saved["args"] | {"num_seeds": len(dirs)}}
     if not os.path.isfile(file):

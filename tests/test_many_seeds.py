@@ -166,6 +166,51 @@ def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp):
     assert [s["eval_returns"] for s in evaluated] == [s["eval_returns"] for s in trained]
 
 
+class FakeRun:
+    """A W&B run as `wandb.init(reinit="create_new")` returns it: its settings and the rows logged to it."""
+
+    def __init__(self, **settings):
+        self.settings, self.rows, self.id, self.finished = settings, [], f"fake-{settings['name']}", False
+
+    def define_metric(self, name, step_metric):
+        assert (name, step_metric) == ("*", "global_step")
+
+    def log(self, data):
+        self.rows.append(data)
+
+    def finish(self):
+        self.finished = True
+
+
+def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp, monkeypatch):
+    """--track --num-seeds 2: one W&B run per seed, named as its folder, in the group of their aggregate folder; each
+    run is given its own seed's scalars (TensorBoard's, at the same global steps), and --resume goes on in it."""
+    runs = []
+    wandb = types.ModuleType("wandb")
+    wandb.init = lambda **settings: runs.append(FakeRun(**settings)) or runs[-1]
+    wandb.Video = lambda path, format: path
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    P = import_script("ppo_cartpole_gpu")
+    args = small_args(P, num_seeds=2, track=True, exp_name="tracked")
+    train_seeds(P, args)
+    group, dirs = folders(in_tmp, "tracked")
+    assert [run.settings["name"] for run in runs] == [os.path.basename(d) for d in dirs]
+    assert [run.settings["group"] for run in runs] == [os.path.basename(group)] * 2
+    assert all(run.finished and run.settings["reinit"] == "create_new" for run in runs)
+    for run, d in zip(runs, dirs):
+        logged, step = {}, None
+        for row in run.rows:  # a row without global_step is at the last one (W&B's step_sync)
+            step = row.get("global_step", step)
+            for tag, value in row.items() if step is not None else ():
+                logged.setdefault(tag, []).append((step, pytest.approx(value, rel=1e-6)))
+        assert {tag: v for tag, v in logged.items() if tag not in ("global_step", "charts/SPS")} == scalars(d)
+    train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
+    assert [run.settings["id"] for run in runs[2:]] == [run.id for run in runs[:2]]
+    assert [run.settings["group"] for run in runs[2:]] == [os.path.basename(group)] * 2
+    with pytest.raises(P.UsageError, match="each seed has ended; raise --total-timesteps"):  # as one run's --resume
+        train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a Tensor in some "
                               "data-dependent control flow"),  # PPO's early stop: a branch per seed
