@@ -232,6 +232,14 @@ def test_a_single_seed_folder_is_not_resumed_as_k_seeds(in_tmp):
     assert_one_error_line(result, "--resume with --num-seeds 2 takes the aggregate folder of 2 seeds")
 
 
+def test_a_folder_with_a_summary_but_no_checkpoint_is_refused_in_one_line(in_tmp):
+    """An --eval-only run's folder has a summary.json and no checkpoint: not an aggregate of seeds, nothing to resume."""
+    os.makedirs(folder := str(in_tmp / "runs" / "evaluated"))
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        f.write('{"status": "evaluated"}')
+    assert_one_error_line(call_main("ppo_cartpole_gpu", "--resume", folder, cwd=in_tmp), "checkpoint.pt: no such file")
+
+
 def test_atari_refuses_many_seeds_in_one_line(tmp_path):
     result = run_script("ppo_atari_envpool", "--num-seeds", "2", cwd=tmp_path, timeout=120)
     assert_one_error_line(result, "--num-seeds must be 1: EnvPool runs one seed per process")
