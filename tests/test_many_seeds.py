@@ -233,7 +233,7 @@ def test_a_single_seed_folder_is_not_resumed_as_k_seeds(in_tmp):
 
 
 def test_a_folder_with_a_summary_but_no_checkpoint_is_refused_in_one_line(in_tmp):
-    """An --eval-only run's folder has a summary.json and no checkpoint: not an aggregate of seeds, nothing to resume."""
+    """An --eval-only run's folder has a summary.json, no checkpoint: not an aggregate of seeds, nothing to resume."""
     os.makedirs(folder := str(in_tmp / "runs" / "evaluated"))
     with open(os.path.join(folder, "summary.json"), "w") as f:
         f.write('{"status": "evaluated"}')
