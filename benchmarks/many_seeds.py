@@ -7,10 +7,13 @@ K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tab
     python benchmarks/many_seeds.py --seeds 4 --steps 200000 --no-compile
     python benchmarks/many_seeds.py --scaling 1 4 16 64 --steps 100000 --plot docs/many_seeds.png  # time per seed
     python benchmarks/many_seeds.py --brax 8 --steps 100000            # Brax inverted_pendulum, 8 seeds
+    python benchmarks/many_seeds.py --statistics 16   # the defaults to the target: --num-seeds 16 learns as 16 runs?
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import subprocess
 import sys
@@ -20,11 +23,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import jax
+import numpy as np
 import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ppo_cartpole_gpu import aggregate, line  # noqa: E402 (the scripts' own aggregate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +50,9 @@ class ManySeedsArgs:
     """with --scaling: a PNG of the time per seed against K"""
     brax: int = 0
     """instead: this many seeds of ppo_mujoco_brax.py's inverted_pendulum, one after another against --num-seeds"""
+    statistics: int = 0
+    """instead: this many seeds at the defaults (to the target), a process each against --num-seeds: do they learn
+    alike? Their aggregates, and a permutation test of their steps to solve"""
 
 
 def timed(commands: list[list[str]]) -> tuple[float, float]:
@@ -75,6 +85,45 @@ def table(title: str, rows: dict[str, list[list[str]]], k: int) -> dict[str, flo
     return {label: seconds for label, (seconds, _) in results.items()}
 
 
+def rank_sum_p(a: np.ndarray, b: np.ndarray, reps: int = 100_000, seed: int = 0) -> float:
+    """Two-sided permutation p-value of the difference in mean rank between samples `a` and `b` (Mann-Whitney's
+    statistic; ties share their mean rank, so runs that never solved, at inf, rank last together)."""
+    x = np.concatenate([a, b])
+    ranks = np.empty(len(x))
+    ranks[x.argsort(kind="stable")] = np.arange(1, len(x) + 1)
+    for value in np.unique(x):
+        ranks[x == value] = ranks[x == value].mean()
+    observed = abs(ranks[: len(a)].mean() - ranks[len(a) :].mean())
+    rng = np.random.default_rng(seed)
+    shuffled = np.array([rng.permutation(ranks) for _ in range(reps)])
+    gaps = np.abs(shuffled[:, : len(a)].mean(1) - shuffled[:, len(a) :].mean(1))
+    return float((gaps >= observed - 1e-12).mean())
+
+
+def statistics(k: int, py: str, script: str) -> None:
+    """K runs of the defaults, one process each, and --num-seeds K: each side's aggregate line and the test."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for command in [[py, script, "--seed", str(s), "--exp-name", "apart"] for s in range(1, k + 1)] + [
+            [py, script, "--num-seeds", str(k), "--exp-name", "stacked"]
+        ]:
+            subprocess.run(command + ["--no-progress-bar"], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+        sides = {}
+        for name in ("apart", "stacked"):
+            summaries = []
+            for path in sorted(glob.glob(os.path.join(tmp, "runs", f"*__{name}__*", "summary.json"))):
+                with open(path) as f:
+                    summaries.append(json.load(f))
+            sides[name] = [s for s in summaries if "run_dirs" not in s]  # the --num-seeds aggregate aside
+    steps = {n: np.array([s["solved_at_step"] or np.inf for s in v], dtype=float) for n, v in sides.items()}
+    print(f"\n| {k} seeds of the defaults, to the target | aggregate |\n|---|---|")
+    print(f"| {k} processes, one seed each | {line(aggregate(sides['apart']))} |")
+    print(f"| `--num-seeds {k}`, one process | {line(aggregate(sides['stacked']))} |")
+    for name, v in steps.items():
+        print(f"\n{name}: steps to solve {', '.join(f'{x:,.0f}' for x in sorted(v))}")
+    p = rank_sum_p(steps["apart"], steps["stacked"])
+    print(f"\nsteps to solve, apart against stacked: two-sided permutation p = {p:.2f} (mean ranks, 100,000 shuffles)")
+
+
 def main() -> None:
     bench = tyro.cli(ManySeedsArgs)
     k, steps, py = bench.seeds, str(bench.steps), sys.executable
@@ -82,7 +131,9 @@ def main() -> None:
     script = os.path.join(ROOT, "ppo_cartpole_gpu.py")
     ours = [py, script, "--total-timesteps", steps, "--target-return", "None", *quiet]
     print(f"`python {' '.join(sys.argv)}` on {machine(jax)}, {time.strftime('%Y-%m-%d')}", file=sys.stderr)
-    if bench.brax:
+    if bench.statistics:
+        statistics(bench.statistics, py, script)
+    elif bench.brax:
         k = bench.brax
         brax = [py, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", "inverted_pendulum", "--total-timesteps",
                 steps, "--target-return", "None", *quiet]  # fmt: skip

@@ -76,3 +76,21 @@ def test_the_command_aggregates_real_run_folders(tmp_path):
     assert agg["seeds"] == [1, 2] and agg["evaluated"] == 2
     bad = subprocess.run(command[:2] + [str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith(f"error: {tmp_path}: no summary.json")
+
+
+@pytest.mark.quick
+def test_the_permutation_test_of_many_seeds_matches_exact_enumeration():
+    """benchmarks/many_seeds.py --statistics: the rank-sum permutation p-value against every split of small samples
+    (ties and never-solved runs, at inf, included), within the Monte Carlo error of 100,000 shuffles."""
+    import itertools
+
+    import many_seeds
+
+    for a, b in [([1.0, 2, 3, 4], [5.0, 6, 7, 8]), ([1.0, 5, 3, 7], [2.0, 6, 4, 8]),
+                 ([1.0, 2, np.inf, 4], [np.inf, np.inf, 3, 3])]:  # fmt: skip
+        x = np.array(a + b)
+        ranks = np.array([(x < v).sum() + ((x == v).sum() + 1) / 2 for v in x])  # mean ranks of ties
+        gaps = [abs(ranks[list(left)].mean() - np.delete(ranks, list(left)).mean())
+                for left in itertools.combinations(range(len(x)), len(a))]  # fmt: skip
+        exact = np.mean([g >= gaps[0] - 1e-12 for g in gaps])  # the first split: a itself
+        assert many_seeds.rank_sum_p(np.array(a), np.array(b)) == pytest.approx(exact, abs=0.01)
