@@ -1435,8 +1435,8 @@ class Run(contextlib.AbstractContextManager):
                 self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
                 if self.wandb is not None:  # at the last global_step (define_metric's step_sync)
                     self.wandb.log({"eval/episodic_return": s["eval_mean_return"]})
-                if video and os.path.exists(video) and self.wandb is not None:
-                    self.wandb.log({"videos/evaluation": sys.modules["wandb"].Video(video, format="mp4")})
+                    if video and os.path.exists(video):
+                        self.wandb.log({"videos/evaluation": sys.modules["wandb"].Video(video, format="mp4")})
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(a)}, f, indent=2)
         self.writer.close()

@@ -13,7 +13,6 @@ K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tab
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ppo_cartpole_gpu import aggregate, line  # noqa: E402 (the scripts' own aggregate)
+from ppo_cartpole_gpu import aggregate, line, read_summary  # noqa: E402 (the scripts' own aggregate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,13 +106,9 @@ def statistics(k: int, py: str, script: str) -> None:
             [py, script, "--num-seeds", str(k), "--exp-name", "stacked"]
         ]:
             subprocess.run(command + ["--no-progress-bar"], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
-        sides = {}
-        for name in ("apart", "stacked"):
-            summaries = []
-            for path in sorted(glob.glob(os.path.join(tmp, "runs", f"*__{name}__*", "summary.json"))):
-                with open(path) as f:
-                    summaries.append(json.load(f))
-            sides[name] = [s for s in summaries if "run_dirs" not in s]  # the --num-seeds aggregate aside
+        folders = {name: sorted(glob.glob(os.path.join(tmp, "runs", f"*__{name}__*"))) for name in ("apart", "stacked")}
+        sides = {name: [s for s in map(read_summary, runs) if "run_dirs" not in s]  # the --num-seeds aggregate aside
+                 for name, runs in folders.items()}  # fmt: skip
     steps = {n: np.array([s["solved_at_step"] or np.inf for s in v], dtype=float) for n, v in sides.items()}
     print(f"\n| {k} seeds of the defaults, to the target | aggregate |\n|---|---|")
     print(f"| {k} processes, one seed each | {line(aggregate(sides['apart']))} |")

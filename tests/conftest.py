@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import replace
 
 import pytest
@@ -241,3 +242,29 @@ def stopped_and_resumed(module, args, tmp, monkeypatch, make_envs=None):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Run put the handlers back
     stopped = read_json(os.path.join(run_dir(tmp, "cut"), "summary.json"))
     return whole, train(replace(args, exp_name="cut", resume=run_dir(tmp, "cut"))), stopped
+
+
+class FakeRun:
+    """A W&B run as `wandb.init(reinit="create_new")` returns it: its settings and the rows logged to it."""
+
+    def __init__(self, **settings):
+        self.settings, self.rows, self.id, self.finished = settings, [], f"fake-{settings['name']}", False
+
+    def define_metric(self, name, step_metric):
+        assert (name, step_metric) == ("*", "global_step")
+
+    def log(self, data):
+        self.rows.append(data)
+
+    def finish(self):
+        self.finished = True
+
+
+def fake_wandb(monkeypatch) -> list[FakeRun]:
+    """wandb replaced by a stand-in for the test (a video is its path); returns the runs it makes, in order."""
+    runs = []
+    wandb = types.ModuleType("wandb")
+    wandb.init = lambda **settings: runs.append(FakeRun(**settings)) or runs[-1]
+    wandb.Video = lambda path, format: path
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    return runs

@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SUMMARY_KEYS, assert_one_error_line, call_main, import_script, read_json, run_script
+from conftest import (
+    ROOT,
+    SUMMARY_KEYS,
+    assert_one_error_line,
+    call_main,
+    fake_wandb,
+    import_script,
+    read_json,
+    run_script,
+)
 
 B = import_script("ppo_mujoco_brax")
 
@@ -183,30 +192,6 @@ def test_gaussian_logprob_and_entropy():
     assert value.shape == (7,)
 
 
-class FakeWandb(types.ModuleType):
-    """Stands in for wandb and its one run: keeps what is logged."""
-
-    def __init__(self):
-        super().__init__("wandb")
-        self.logged = []
-        self.id = "fake-run-id"  # a checkpoint keeps the id, for --resume
-
-    def init(self, **kwargs):
-        return self
-
-    def define_metric(self, name, step_metric):
-        pass
-
-    def log(self, data):
-        self.logged.append(data)
-
-    def Video(self, path, format):
-        return path
-
-    def finish(self):
-        pass
-
-
 def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, monkeypatch, capsys):
     """--capture-video --video-interval 1 films an episode at every iteration on a separate 1-env copy of the env:
     the training envs' episodes and the reward scaling's discounted return go on, so training is the same as
@@ -214,8 +199,7 @@ def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, mon
     resets = []
     reset = B.BraxVecEnv.reset
     monkeypatch.setattr(B.BraxVecEnv, "reset", lambda self: resets.append(self) or reset(self))
-    wandb = FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    runs = fake_wandb(monkeypatch)
     # one env, as the video env: a single compilation for the whole test
     flags = dict(env_id="inverted_pendulum", num_envs=1, num_steps=8, num_minibatches=2, total_timesteps=24,
                  episode_length=5, eval_episodes=1, progress_bar=False, device="cpu")  # fmt: skip
@@ -235,7 +219,7 @@ def test_videos_are_filmed_on_their_own_env_and_leave_training_alone(in_tmp, mon
     mp4 = "no offscreen renderer for the MP4" not in capsys.readouterr().err  # where EGL or OSMesa works
     written = sorted(os.listdir(os.path.join(filmed_run, "videos")))
     assert written == sorted([f + ".html" for f in films] + ([f + ".mp4" for f in films] if mp4 else []))
-    uploaded = [(key, os.path.basename(path)) for data in wandb.logged for key, path in data.items() if "video" in key]
+    uploaded = [(key, os.path.basename(path)) for data in runs[0].rows for key, path in data.items() if "video" in key]
     expected = [("videos/training", f + ".mp4") for f in films[:3]] + [("videos/evaluation", "evaluation.mp4")]
     assert uploaded == (expected if mp4 else [])
 

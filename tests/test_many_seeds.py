@@ -16,6 +16,7 @@ from conftest import (
     SCRIPTS,
     assert_one_error_line,
     call_main,
+    fake_wandb,
     import_script,
     interrupt_after_an_iteration,
     read_json,
@@ -166,30 +167,10 @@ def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp):
     assert [s["eval_returns"] for s in evaluated] == [s["eval_returns"] for s in trained]
 
 
-class FakeRun:
-    """A W&B run as `wandb.init(reinit="create_new")` returns it: its settings and the rows logged to it."""
-
-    def __init__(self, **settings):
-        self.settings, self.rows, self.id, self.finished = settings, [], f"fake-{settings['name']}", False
-
-    def define_metric(self, name, step_metric):
-        assert (name, step_metric) == ("*", "global_step")
-
-    def log(self, data):
-        self.rows.append(data)
-
-    def finish(self):
-        self.finished = True
-
-
 def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp, monkeypatch):
     """--track --num-seeds 2: one W&B run per seed, named as its folder, in the group of their aggregate folder; each
     run is given its own seed's scalars (TensorBoard's, at the same global steps), and --resume goes on in it."""
-    runs = []
-    wandb = types.ModuleType("wandb")
-    wandb.init = lambda **settings: runs.append(FakeRun(**settings)) or runs[-1]
-    wandb.Video = lambda path, format: path
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    runs = fake_wandb(monkeypatch)
     P = import_script("ppo_cartpole_gpu")
     args = small_args(P, num_seeds=2, track=True, exp_name="tracked")
     train_seeds(P, args)
