@@ -50,6 +50,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before a process group exists: docs/running.md, "torchrun"
 import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
@@ -782,7 +783,7 @@ class Run(contextlib.AbstractContextManager):
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.world_size > 1:  # what trains besides the agent stays alike on every rank only if told to: say so
-            sums = {k: float(sum(p.double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
+            sums = {k: float(sum(p.detach().double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
                     for k, v in self.shared().items()}  # fmt: skip
             dist.all_gather_object(every := [None] * self.world_size, sums)
             for k in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in self.diverged]:

@@ -45,6 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before a process group exists: docs/running.md, "torchrun"
 import torch.nn as nn
 import torch.utils._pytree as pytree
 import tyro
@@ -236,10 +237,9 @@ class BraxVecEnv:
 
     def load_state_dict(self, saved: dict) -> torch.Tensor:
         """The envs as `state_dict` saved them, each array on the device JAX has it on; returns their observation."""
-        leaves, tree = self.jax.tree.flatten((self.state, self._length, self._return, self.key))
+        old, tree = self.jax.tree.flatten((self.state, self._length, self._return, self.key))
         put = lambda t, x: self.jax.device_put(t.numpy().astype(x.dtype), next(iter(x.devices())))
-        restored = self.jax.tree.unflatten(tree, map(put, saved["leaves"], leaves))
-        self.state, self._length, self._return, self.key = restored
+        self.state, self._length, self._return, self.key = self.jax.tree.unflatten(tree, map(put, saved["leaves"], old))
         return self.to_torch(self.state.obs)
 
 
@@ -1371,7 +1371,7 @@ class Run(contextlib.AbstractContextManager):
             dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
         self.checkpointed = self.counters["iteration"]
         if self.world_size > 1:  # what trains besides the agent stays alike on every rank only if told to: say so
-            sums = {k: float(sum(p.double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
+            sums = {k: float(sum(p.detach().double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
                     for k, v in self.shared().items()}  # fmt: skip
             dist.all_gather_object(every := [None] * self.world_size, sums)
             for k in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in self.diverged]:

@@ -154,16 +154,23 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
 def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
     """Rank 0 evaluates alone at the end while the other ranks are done: with collectives timing out after 3 s (5 min
     in the scripts) and an evaluation of 8 s (Brax's could take minutes), the run still ends well, with its summary
-    (before, the other ranks timed out in a final barrier and torchrun killed rank 0 before it wrote summary.json)."""
+    (before, the other ranks timed out in a final barrier and torchrun killed rank 0 before it wrote summary.json).
+    And `main` frees the process group: its Gloo threads are gone before the interpreter exits (before, torch's first
+    optimizer imported torch.distributed.nn, whose defaults kept the group, so its threads ran on into the exit, where
+    now and then one aborted rank 1: "terminate called without an active exception", and torchrun stopped rank 0)."""
     worker = tmp_path / "slow_evaluation.py"
     worker.write_text(f"""
-import datetime, sys, time
+import datetime, os, sys, time
 sys.path.insert(0, {ROOT!r})
 import ppo_cartpole_gpu as P
 init, evaluate = P.dist.init_process_group, P.evaluate
 P.dist.init_process_group = lambda backend, **kw: init(backend, **kw | {{"timeout": datetime.timedelta(seconds=3)}})
 P.evaluate = lambda *args: time.sleep(8) or evaluate(*args)
 P.main()
+tasks = "/proc/self/task"  # Linux: the process's threads by name (elsewhere none are listed)
+names = [open(os.path.join(tasks, t, "comm")).read().strip() for t in os.listdir(tasks)] if os.path.isdir(tasks) else []
+if [name for name in names if "gloo" in name]:
+    sys.exit(f"rank {{os.environ['RANK']}}: the process group's threads outlive main: {{names}}")
 """)
     flags = ["--num-envs", "16", "--num-steps", "8", "--total-timesteps", "512", "--eval-episodes", "2",
              "--no-progress-bar"]  # fmt: skip
