@@ -169,7 +169,7 @@ P.evaluate = lambda *args: time.sleep(8) or evaluate(*args)
 P.main()
 tasks = "/proc/self/task"  # Linux: the process's threads by name (elsewhere none are listed)
 names = [open(os.path.join(tasks, t, "comm")).read().strip() for t in os.listdir(tasks)] if os.path.isdir(tasks) else []
-if [name for name in names if "gloo" in name]:
+if any("gloo" in name for name in names):
     sys.exit(f"rank {{os.environ['RANK']}}: the process group's threads outlive main: {{names}}")
 """)
     flags = ["--num-envs", "16", "--num-steps", "8", "--total-timesteps", "512", "--eval-episodes", "2",
