@@ -1,0 +1,145 @@
+"""Runs recorded before the layout change (issue 45, at 1fff926, when every script carried its own machinery): the
+scalars each script's defaults logged, and a checkpoint a stopped run left, so that tests/test_layout.py can check
+that the move into ladder/ changed nothing a run writes. Recorded with
+
+    python tests/recorded.py        # writes tests/data/recorded_1fff926.json and tests/data/ppo_stopped_1fff926/
+
+on a 2-core AMD EPYC, one torch thread. The runs are short (a few iterations) and on the CPU."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import replace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+SCALARS = os.path.join(DATA, "recorded_1fff926.json")
+STOPPED = os.path.join(DATA, "ppo_stopped_1fff926")
+"""The run folder (its checkpoint.pt and summary.json) of PPO's `RESUMED` run stopped after iteration 2."""
+
+# Each script's defaults, seed 1, for a few iterations (REINFORCE: rollouts). Brax on inverted_pendulum with 16 envs
+# rather than ant with 2,048: the same code, without ant's 80 s of JAX compilation on a CPU (16 envs: the evaluation's
+# 16 reuse the training envs' compilation).
+CONFIGS = {
+    "ppo_cartpole_gpu": dict(iterations=3),
+    "vpg": dict(iterations=3),
+    "reinforce": dict(iterations=3),
+    "ppo_atari_envpool": dict(iterations=1),
+    "ppo_mujoco_brax": dict(iterations=2, env_id="inverted_pendulum", num_envs=16),
+    "ppo_cartpole_gpu --num-seeds 2": dict(iterations=3, num_seeds=2),
+    "ppo_cartpole_gpu --compile": dict(iterations=3, compile=True),
+}
+RESUMED = dict(num_envs=32, num_steps=16, total_timesteps=32 * 16 * 4, checkpoint_interval=0, eval_episodes=3)
+"""PPO, 4 iterations: straight through, and stopped by SIGTERM after iteration 2 (the checkpoint kept)."""
+
+
+def script_of(config: str) -> str:
+    return config.split()[0]
+
+
+def args_of(module, config: str, **flags):
+    """The config's Args: the defaults, with the config's changes, on the CPU, without a progress bar."""
+    settings = dict(CONFIGS[config])
+    iterations = settings.pop("iterations")
+    args = module.Args(device="cpu", progress_bar=False, **settings | flags)
+    return replace(args, total_timesteps=iterations * args.num_envs * args.num_steps)
+
+
+def scalars(run_dir: str) -> dict[str, list[list[float]]]:
+    """Every scalar a run folder's event files hold, SPS aside (a clock), by tag: [step, value] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    tags = [tag for tag in events.Tags()["scalars"] if tag != "charts/SPS"]
+    return {tag: sorted([e.step, e.value] for e in events.Scalars(tag)) for tag in tags}
+
+
+def folders(cwd: str) -> list[str]:
+    """The run folders under `cwd`/runs, an aggregate folder of --num-seeds (no events) left out, in name order."""
+    return sorted(d for d in glob.glob(os.path.join(cwd, "runs", "*")) if glob.glob(os.path.join(d, "events.*")))
+
+
+def run_config(module, config: str, cwd: str) -> list[dict]:
+    """Train the config in `cwd` with one torch thread; the scalars of each run folder (a seed each)."""
+    threads, here = torch.get_num_threads(), os.getcwd()
+    torch.set_num_threads(1)
+    os.chdir(cwd)
+    try:
+        args = args_of(module, config)
+        if args.num_seeds > 1:
+            import ladder
+
+            ladder.train_seeds(module.train, args)
+        else:
+            module.train(args)
+    finally:
+        os.chdir(here)
+        torch.set_num_threads(threads)
+    return [scalars(d) for d in folders(cwd)]
+
+
+def record() -> None:  # pragma: no cover (run by hand, on the code before the move)
+    import importlib
+
+    sys.path.insert(0, ROOT)
+    recorded = {}
+    for config in CONFIGS:
+        module = importlib.import_module(script_of(config))
+        if hasattr(module, "import_brax"):
+            module.import_brax()
+        with tempfile.TemporaryDirectory() as cwd:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            here = os.getcwd()
+            os.chdir(cwd)
+            try:
+                args = args_of(module, config)
+                module.train_seeds(module.train, args)
+            finally:
+                os.chdir(here)
+                torch.set_num_threads(threads)
+            recorded[config] = [scalars(d) for d in folders(cwd)]
+        print(config, "recorded", file=sys.stderr)
+    ppo = importlib.import_module("ppo_cartpole_gpu")
+    with tempfile.TemporaryDirectory() as cwd:
+        here = os.getcwd()
+        os.chdir(cwd)
+        torch.set_num_threads(1)
+        try:
+            ppo.train(ppo.Args(device="cpu", progress_bar=False, exp_name="whole", **RESUMED))
+            recorded["resumed: one run"] = [scalars(folders(cwd)[0])]
+            real_log = ppo.Run.log
+
+            def log(self, *args, **kwargs):  # SIGTERM while iteration 2 is logged: the run stops after it
+                if self.counters["iteration"] == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return real_log(self, *args, **kwargs)
+
+            ppo.Run.log = log
+            try:
+                ppo.train(ppo.Args(device="cpu", progress_bar=False, exp_name="cut", **RESUMED))
+            except KeyboardInterrupt:
+                pass
+            ppo.Run.log = real_log
+            (cut,) = glob.glob(os.path.join(cwd, "runs", "*__cut__*"))
+            shutil.rmtree(STOPPED, ignore_errors=True)
+            os.makedirs(STOPPED)
+            for name in ("checkpoint.pt", "summary.json"):
+                shutil.copy(os.path.join(cut, name), STOPPED)
+        finally:
+            os.chdir(here)
+    with open(SCALARS, "w") as f:
+        json.dump(recorded, f, indent=1)
+
+
+if __name__ == "__main__":
+    record()
