@@ -29,19 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
-import io
-import json
 import math
 import os
-import shutil
-import signal
-import sys
-import threading
-import time
-from collections import deque
-from dataclasses import FrozenInstanceError, asdict, dataclass, replace
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 # OpenMP threads that sleep, not spin, while they wait (4x faster on a busy 2-core machine): set before torch loads it
@@ -49,19 +39,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before a process group exists: docs/running.md, "torchrun"
 import torch.nn as nn
-import tyro
-from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
+
+from ladder.cli import RunFlags, UsageError, check_flags, run_command_line
+from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.run import Run
+from ladder.video import video_writer
 
 THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
 
 @dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
-class Args:
-    # Algorithm: a --resume keeps these as the checkpoint has them
+class Args(RunFlags):
+    # The algorithm's flags: a --resume keeps these as the checkpoint has them
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
     seed: int = 1
@@ -103,58 +93,32 @@ class Args:
     bf16: bool = False
     """the CNN trunk in bfloat16 autocast (heads and weights float32); needs AMX/AVX512-BF16 CPUs or Ampere+ GPUs"""
 
-    # The run's length and its management: a --resume may change these
+    # The run's flags (`RunFlags`: --total-timesteps, --device, --track, --resume, ...): the defaults that differ here
     total_timesteps: int = 10_000_000
     """agent steps (4 frames each), all torchrun ranks together; CleanRL's 10M: 5-11 h on a 2-core CPU (250-540 SPS)"""
-    target_return: Optional[float] = None
-    """stop once the mean score of the last 100 games reaches this (None: run all steps)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device for the networks and the update (cuda when available, else cpu)"""
-    torch_threads: int = 0
-    """CPU threads for torch; 0 picks one per available core (ignored on GPU)"""
     compile: bool = False
     """torch.compile the network (pays a one-off compile time)"""
-    num_seeds: int = 1
-    """1 here: EnvPool's emulators run one seed per process (the four tensor scripts stack K seeds in one)"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "rl-ladder"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None uses your default"""
-    wandb_group: Optional[str] = None
-    """the W&B group of the run (--num-seeds: each seed's run in the group of their aggregate folder's name)"""
-    capture_video: bool = False
-    """save a grid video of up to 16 envs' frames from the rollout every `video-interval` iterations"""
     video_interval: int = 100
     """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
-    save_model: bool = False
-    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
     checkpoint_interval: int = 100
     """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
-    resume: Optional[str] = None
-    """a run folder (or its checkpoint.pt) to go on from: omitted flags keep its values; only these run flags change"""
-    eval_only: bool = False
-    """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
-    load_model: Optional[str] = None
-    """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
     eval_episodes: int = 4
     """whole games played by the final policy after training, scored with the real rewards (0 skips)"""
-    progress_bar: bool = True
-    """show a live progress bar with SPS, the recent game score and the time left"""
 
     def __post_init__(self):
-        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: `main`)."""
+        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
         batch_size = self.num_envs * self.num_steps
-        check_flags(self, {
+        rules = {
             "env_id": (is_atari_game(self.env_id), "an EnvPool Atari game (envpool.list_all_envs(): e.g. Pong-v5)"),
             "num_envs": (self.num_envs >= 1 + self.async_envs, "positive (--async-envs: at least 2)"),
             "num_steps": (self.num_steps > 0, "positive"),
             "update_epochs": (self.update_epochs > 0, "positive"),
-            "num_minibatches": (0 < self.num_minibatches <= batch_size,
-                                f"in [1, --num-envs * --num-steps = {batch_size}]"),
+            "num_minibatches": (
+                0 < self.num_minibatches <= batch_size,
+                f"in [1, --num-envs * --num-steps = {batch_size}]",
+            ),
             "total_timesteps": (self.total_timesteps >= batch_size, f"at least one rollout ({batch_size} steps)"),
             "learning_rate": (self.learning_rate > 0, "> 0"),
             "gamma": (0 < self.gamma <= 1, "in (0, 1]"),
@@ -165,9 +129,11 @@ class Args:
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
             "num_seeds": (self.num_seeds == 1, "1: EnvPool runs one seed per process (K processes: a --seed each)"),
-            "bf16": (not self.bf16 or has_fast_bf16(self.device), "off here: no bfloat16 hardware (AMX or AVX512-BF16 "
-                     "CPUs, GPUs from Ampere on) to run it faster than float32"),
-        })  # fmt: skip
+            "cuda_graph": (not self.cuda_graph, "off: EnvPool steps on the host; the update is not recorded yet"),
+        }
+        no_bf16 = "off here: no bfloat16 hardware (AMX or AVX512-BF16 CPUs, GPUs from Ampere on)"
+        rules["bf16"] = (not self.bf16 or has_fast_bf16(self.device), f"{no_bf16} to run it faster than float32")
+        check_flags(self, rules)
 
 
 # Environment ----------------------------------------------------------------------------------
@@ -177,9 +143,14 @@ def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = 
     import envpool
 
     return envpool.make(
-        env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs, seed=seed,
-        episodic_life=True, reward_clip=True,
-    )  # fmt: skip
+        env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        batch_size=batch_size or num_envs,
+        seed=seed,
+        episodic_life=True,
+        reward_clip=True,
+    )
 
 
 # Agent ----------------------------------------------------------------------------------------
@@ -199,12 +170,16 @@ class Agent(nn.Module):
         self.bf16 = bf16
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
             nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
-        )  # fmt: skip
+            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            nn.ReLU(),
+        )
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
         self.to(memory_format=self.memory_format)
@@ -254,8 +229,9 @@ class Rollout(NamedTuple):
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, device: torch.device) -> Rollout:
-        zeros = lambda *shape, dtype=torch.float32: torch.zeros(2 * num_steps + 1, num_envs, *shape, dtype=dtype,
-                                                                device=device)  # fmt: skip
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(
+            2 * num_steps + 1, num_envs, *shape, dtype=dtype, device=device
+        )
         flags = (zeros(dtype=torch.bool) for _ in range(3))  # terminated, dones, valid
         tensors = (zeros(4, 84, 84, dtype=torch.uint8), zeros(dtype=torch.long), zeros(), zeros(), zeros(), *flags)
         return Rollout(*tensors, np.zeros(num_envs, dtype=np.int64), np.zeros(num_envs, bool), GameStats(num_envs), [])
@@ -372,8 +348,14 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
         v_loss = 0.5 * (newvalue - batch.returns).square().mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
-    stats = {"losses/policy_loss": pg_loss, "losses/value_loss": v_loss, "losses/entropy": entropy_loss,
-             "losses/approx_kl": approx_kl, "losses/clipfrac": clipfrac, "losses/total_loss": loss}  # fmt: skip
+    stats = {
+        "losses/policy_loss": pg_loss,
+        "losses/value_loss": v_loss,
+        "losses/entropy": entropy_loss,
+        "losses/approx_kl": approx_kl,
+        "losses/clipfrac": clipfrac,
+        "losses/total_loss": loss,
+    }
     return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
@@ -387,23 +369,6 @@ def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, a
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
     return stats
-
-
-def average_gradients(module: nn.Module) -> None:
-    """Under torchrun each gradient of `module` becomes the ranks' mean, in one all-reduce (in one process: nothing).
-    Call it between `backward()` and `step()` for a network you train besides the agent, or its ranks drift apart."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    for grad, mean in zip(grads, mean_over_ranks(grads)):
-        grad.copy_(mean)  # in one process the same tensor: a no-op
-
-
-def mean_over_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's mean over the torchrun ranks, all in one all-reduce (the tensors themselves in one process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return tensors
-    flat = torch.cat([t.detach().flatten() for t in tensors])
-    dist.all_reduce(flat)
-    return [m.view_as(t) for t, m in zip(tensors, (flat / dist.get_world_size()).split([t.numel() for t in tensors]))]
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
@@ -433,7 +398,7 @@ def train(args: Args) -> Agent:
     the run."""
     device, T, N = torch.device(args.device), args.num_steps, args.num_envs
     env_batch = N // 2 if args.async_envs else N  # async: EnvPool emulates half the envs while the policy acts
-    with Run(args) as run:
+    with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         envs = make_env(args.env_id, N, args.seed + run.rank * N, batch_size=env_batch)  # env i gets seed + i
@@ -454,19 +419,25 @@ def train(args: Args) -> Agent:
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             env_steps = collect_rollout(agent, envs, rollout, env_batch)
             # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
-            advantages, returns = compute_gae(rollout.rewards[:T], rollout.values[:T], rollout.values[1 : T + 1],
-                                              rollout.terminated[:T], rollout.dones[:T],
-                                              args.gamma, args.gae_lambda)  # fmt: skip
+            advantages, returns = compute_gae(
+                rollout.rewards[:T],
+                rollout.values[:T],
+                rollout.values[1 : T + 1],
+                rollout.terminated[:T],
+                rollout.dones[:T],
+                args.gamma,
+                args.gae_lambda,
+            )
             valid = rollout.valid[:T].flatten()  # the reset steps are left out of the loss
             b_obs, b_actions, b_logprobs, b_values = (x[:T].flatten(0, 1)[valid] for x in rollout[:4])
             batch = Batch(b_obs, b_actions, b_logprobs, advantages.flatten()[valid], returns.flatten()[valid], b_values)
             stats = update(step, batch, args)
-            if run.log(env_steps, stats, rollout):  # True once the target return is reached
+            if run.log(env_steps, stats, finished_episodes(rollout), rollout):  # True once the target is reached
                 break
     return agent
 
 
-# What train() and the run management call: game ids, game scores, evaluation, videos
+# What train() and the run call: game ids, game scores, evaluation, videos
 def is_atari_game(env_id: str) -> bool:
     """Whether EnvPool has this Atari game (UsageError when envpool is not installed)."""
     try:
@@ -579,383 +550,9 @@ def has_fast_bf16(device: str) -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
-def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
-    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
-    for name, (ok, rule) in rules.items():
-        value = getattr(args, name)
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
-
-
-def video_writer(path: str, fps: int):
-    """An MP4 writer (imageio's ffmpeg, H.264): `append_data(frame)` for each RGB frame (H, W, 3) uint8, then close."""
-    import imageio.v2 as imageio
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return imageio.get_writer(path, fps=fps, macro_block_size=2)  # odd sides padded to even, as H.264 needs
-
-
-def train_seeds(train, args) -> list:
-    """`train(args)`: one seed per process here (`Args` refuses --num-seeds K > 1; the tensor scripts stack K)."""
-    return [train(args)]
-
-
-# Run management: identical in all five scripts
-class UsageError(Exception):
-    """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
-
-
-class Run(contextlib.AbstractContextManager):
-    """The run folder runs/{env_id}__{exp_name}__{seed}__{time} and all in it (TensorBoard, W&B with --track, videos,
-    checkpoints, model, summary.json), the progress bar, --resume, signals, the NaN stop and the final evaluation."""
-
-    def __init__(self, args):
-        self.args, self.saved = args, read_checkpoint(args.resume) if args.resume else None
-        self.model = read_checkpoint(args.load_model, flag="--load-model") if args.load_model else None
-        resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
-        self.dir = resumed or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        # the run's progress, checkpointed as is; "seconds" and "timed_steps" leave out set-up and compilation
-        self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, solved_step=None,
-                             solved_seconds=None, target_reached=False)  # fmt: skip
-        self.recent_returns: deque[float] = deque(maxlen=100)
-        self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
-        self.handlers, self.stop_signal, self.checkpointed, self.next_check, self.diverged = {}, 0, -1, 0, set()
-        self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
-
-    def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
-        """Training begins: the clock starts, the outputs open; --resume restores the checkpoint (`stateful`: your
-        state, tensors or objects with a state_dict), --load-model the agent's weights. Returns `obs` or the envs'."""
-        self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
-        a = self.args
-        self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
-        if odd := [k for k, v in self.stateful.items() if not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
-            raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
-        # the optimizer's settings (torch's load_state_dict takes the checkpoint's), but the rate: the flag's, annealed
-        for saved, group in zip(self.saved["optimizer"]["param_groups"] if self.saved else [], optimizer.param_groups):
-            for key in [key for key, value in saved.items() if key not in ("params", "lr") and group.get(key) != value]:
-                self.note(f"the checkpoint's optimizer {key} {saved[key]} replaces the code's {group.get(key)}")
-        try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save_checkpoint` wrote
-            if self.model is not None:
-                agent.load_state_dict(self.model.get("agent", self.model))
-            for name, obj in self.stateful.items() if self.saved is not None else ():
-                obj.copy_(self.saved[name]) if torch.is_tensor(obj) else obj.load_state_dict(self.saved[name])
-        except (RuntimeError, ValueError) as e:  # another network, or a checkpoint of another version of the script
-            flag = f"--resume {a.resume}" if self.saved is not None else f"--load-model {a.load_model}"
-            raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
-        if self.saved is not None:  # --resume: the rest of the checkpoint, back in place
-            self.counters.update(self.saved["counters"])
-            done = self.counters["target_reached"] and self.saved["args"]["target_return"] == a.target_return
-            if done or self.counters["global_step"] >= total_steps:  # a finished run would only evaluate again
-                raise UsageError(f"--resume {a.resume}: the run has ended; raise --total-timesteps or --target-return")
-            self.recent_returns.extend(self.saved["recent_returns"])
-            self.checkpointed, mine = self.counters["iteration"], self.saved["ranks"][self.rank]
-            torch.set_rng_state(mine["rng"])
-            if mine["cuda_rng"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            obs = obs if mine["envs"] is None else self.envs.load_state_dict(mine["envs"])
-            anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
-            self.note(f"resumed {self.dir} at step {self.counters['global_step']:,}{anew}")
-        for v in self.shared().values() if self.world_size > 1 else ():  # every rank starts from rank 0's weights,
-            for tensor in [v] if torch.is_tensor(v) else v.state_dict().values():  # statistics and your state
-                dist.broadcast(tensor, src=0)
-        if self.rank == 0:
-            if a.track:  # a W&B run of its own (--num-seeds: K runs in one process), given the scalars by `log`
-                self.wandb = importlib.import_module("wandb").init(project=a.wandb_project_name, entity=a.wandb_entity,
-                    config=asdict(a), reinit="create_new", name=os.path.basename(self.dir), resume="allow",
-                    id=self.saved and self.saved["wandb_id"], group=a.wandb_group)  # fmt: skip
-                self.wandb.define_metric("*", step_metric="global_step")  # TensorBoard's x-axis
-            # with --resume, events logged after the checkpoint (by a run killed later) are hidden: no step twice
-            self.writer = SummaryWriter(self.dir, purge_step=self.counters["global_step"] + 1 if self.saved else None)
-            table = "".join(f"\n|{key}|{value}|" for key, value in asdict(a).items())
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|" + table)
-            if a.progress_bar and not a.eval_only and sys.stderr.isatty():  # a log file would fill with its redraws
-                end = None if a.target_return is None else f"until return {a.target_return:g}"  # or the ETA's end
-                self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True, desc=end)
-        if total_steps < 0.999 * a.total_timesteps and not a.eval_only:  # not for 5M -> 4,999,168
-            self.note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
-        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.first_iteration, self.saved = self.counters["iteration"] + 1, None  # the restored tensors are in place
-        self.setup_seconds, self.clock = time.perf_counter() - self.clock, time.perf_counter()
-        return obs
-
-    def request_stop(self, signum: int, frame) -> None:
-        """SIGINT/SIGTERM: stop at the end of this iteration, with a checkpoint; a second Ctrl-C stops at once."""
-        self.stop_signal = self.stop_signal or signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
-        self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
-
-    def shared(self) -> dict:
-        """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `start`."""
-        return {k: v for k, v in self.stateful.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
-
-    def greedy(self, play, *args):  # play(agent, *args), an evaluation or a video, in eval mode (dropout off)
-        self.agent.eval()
-        try:
-            return play(self.agent, *args)
-        finally:
-            self.agent.train()
-
-    def note(self, message: str) -> None:
-        """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
-        seed = "" if threading.current_thread() is threading.main_thread() else f"{threading.current_thread().name}: "
-        tqdm.write(f"note: {seed}{message}", file=sys.stderr) if self.rank == 0 else None
-
-    def log(self, env_steps: int, stats: dict[str, torch.Tensor], rollout) -> bool:
-        """One iteration's logs, videos and checkpoint from one host read (shared by the torchrun ranks: they decide
-        alike); FloatingPointError on a NaN loss, KeyboardInterrupt(signal) after a signal; True once at the target."""
-        c, k = self.counters, 2 + len(stats)
-        c["iteration"] += 1
-        episodes = torch.stack([x.flatten().float() for x in finished_episodes(rollout)])  # (ended, return, length)
-        head = torch.tensor([env_steps, self.stop_signal], dtype=torch.float32, device=self.device)
-        mine = torch.cat((head, torch.stack(list(stats.values())).float(), episodes.flatten())).cpu().numpy()
-        ranks = [mine]  # the iteration's one host read, above; under torchrun every rank's numbers to every rank
-        if self.world_size > 1:
-            dist.all_gather_object(ranks := [None] * self.world_size, mine)
-        steps, stop_signal = int(sum(r[0] for r in ranks)), int(max(r[1] for r in ranks))
-        values = dict(zip(stats, np.mean([r[2:k] for r in ranks], axis=0).tolist()))  # the ranks' mean losses
-        ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
-        returns, lengths = returns[ended > 0], lengths[ended > 0]
-        c["global_step"] += steps
-        # every loss must be finite (explained variance is NaN for constant returns); another statistic NaN: no value
-        if not all(math.isfinite(v) for t, v in values.items() if t.startswith("losses/") and "explained" not in t):
-            raise FloatingPointError(f"non-finite loss at iteration {c['iteration']} (env step {c['global_step']})")
-        now = time.perf_counter()
-        if self.args.compile and c["iteration"] == self.first_iteration:  # LeanRL's burn-in
-            self.note(f"--compile: iteration {c['iteration']} took {now - self.clock:.1f} s (compilation), not counted")
-            self.setup_seconds += now - self.clock
-        else:
-            c["seconds"], c["timed_steps"] = c["seconds"] + now - self.clock, c["timed_steps"] + steps
-        self.clock = now
-        self.recent_returns.extend(returns.tolist())
-        c["episodes"] += len(returns)
-        mean = float(np.mean(self.recent_returns)) if len(self.recent_returns) == 100 else -math.inf  # a full window
-        threshold, target = getattr(self.envs, "reward_threshold", None), self.args.target_return
-        if threshold is not None and c["solved_step"] is None and mean >= threshold:
-            c["solved_step"], c["solved_seconds"] = c["global_step"], c["seconds"]
-        c["target_reached"] = target is not None and mean >= target and self.confirmed(mean, target)
-        sps = int(c["timed_steps"] / c["seconds"]) if c["seconds"] else None
-        scalars = {"charts/learning_rate": self.optimizer.param_groups[0]["lr"], "charts/SPS": sps} | values
-        if len(returns):
-            scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
-        scalars = {tag: float(value) for tag, value in scalars.items() if value is not None and not math.isnan(value)}
-        for tag, value in scalars.items() if self.rank == 0 else ():
-            self.writer.add_scalar(tag, value, c["global_step"])
-        if self.wandb is not None:  # not W&B's sync_tensorboard: it follows one run per process
-            self.wandb.log(scalars | {"global_step": c["global_step"]})
-        if self.progress is not None:
-            self.progress.update(steps)
-            self.progress.set_postfix(SPS=sps, ret=f"{np.mean(self.recent_returns or [np.nan]):.1f}", refresh=False)
-        interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
-        if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
-            path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
-            if self.greedy(record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
-                self.wandb.log({"videos/training": sys.modules["wandb"].Video(path, format="mp4")})
-        if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
-            self.save_checkpoint()
-        if stop_signal:
-            raise KeyboardInterrupt(stop_signal)
-        return c["target_reached"]
-
-    def confirmed(self, mean: float, target: float) -> bool:
-        """Whether the policy `evaluate` plays reaches the target too (a sampling policy can, while its greedy twin
-        drifts off); asked again after 100 more episodes, rank 0 evaluating for all; its time is not training time."""
-        if not self.args.eval_episodes or self.counters["episodes"] < self.next_check:
-            return not self.args.eval_episodes  # without an evaluation the training episodes decide
-        start, self.next_check = time.perf_counter(), self.counters["episodes"] + 100
-        self.note(f"the last 100 episodes' mean return {mean:.1f} reached the target: evaluating the policy to confirm")
-        self.eval_returns = self.greedy(evaluate, self.envs, self.args, None) if self.rank == 0 else [-math.inf]
-        ok = torch.tensor(float(np.mean(self.eval_returns) >= target), device=self.device)
-        if self.world_size > 1:  # the ranks stop together
-            dist.broadcast(ok, src=0)
-        if not ok:
-            self.note(f"the evaluation's mean return is {np.mean(self.eval_returns):.1f}: training on")
-        self.clock += time.perf_counter() - start
-        return bool(ok)
-
-    def save_checkpoint(self) -> None:
-        """<run folder>/checkpoint.pt: all `start` restores, written, then renamed (a kill mid-write leaves the old)."""
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        envs = self.envs.state_dict() if hasattr(self.envs, "state_dict") else None  # EnvPool's emulators: none
-        ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
-        if self.world_size > 1:  # every rank's RNGs and envs, to rank 0
-            dist.gather_object(mine, ranks := [None] * self.world_size if self.rank == 0 else None, dst=0)
-        self.checkpointed = self.counters["iteration"]
-        if self.world_size > 1:  # what trains besides the agent stays alike on every rank only if told to: say so
-            sums = {k: float(sum(p.detach().double().sum() for p in ([v] if torch.is_tensor(v) else v.parameters())))
-                    for k, v in self.shared().items()}  # fmt: skip
-            dist.all_gather_object(every := [None] * self.world_size, sums)
-            for k in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in self.diverged]:
-                self.diverged.add(k)
-                fix = f"average_gradients({k}) between backward() and step(), docs/modifying.md"
-                self.note(f"{k} differs between the torchrun ranks (average its gradients: {fix}); rank 0's is saved")
-        if self.rank == 0:
-            checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in self.stateful.items()} | {
-                "ranks": ranks, "script": os.path.basename(__file__), "args": asdict(self.args),
-                "counters": self.counters, "recent_returns": list(self.recent_returns),
-                "wandb_id": self.wandb and self.wandb.id}  # fmt: skip
-            path = os.path.join(self.dir, "checkpoint.pt")
-            with open(path + ".tmp", "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
-            os.replace(path + ".tmp", path)  # atomic
-
-    def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
-        try:  # the handlers stay while the outputs are written: a signal now ends only the final evaluation
-            self.finish(exc_type, exc)
-        finally:
-            for sig, handler in self.handlers.items():
-                signal.signal(sig, handler)
-
-    def finish(self, exc_type, exc) -> None:  # the final checkpoint; then rank 0's model, evaluation and summary
-        if self.progress is not None:
-            self.progress.total = self.progress.n  # the bar ends where training ended
-            self.progress.close()
-        a, c, stopped = self.args, self.counters, isinstance(exc, KeyboardInterrupt) and bool(exc.args)
-        status = "evaluated" if a.eval_only else "target return reached" if c["target_reached"] else "completed"
-        if exc is not None:
-            status = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss"}.get(exc_type, "error")
-        whole = (exc is None or stopped) and self.agent is not None  # at the end of an iteration: not a second Ctrl-C
-        if whole and not a.eval_only and self.checkpointed != c["iteration"]:  # the state is whole: a checkpoint
-            self.save_checkpoint()
-        if whole and self.world_size > 1:  # the last collective: rank 0 alone goes on, however long it evaluates
-            dist.barrier()
-        if self.writer is None:  # not rank 0, or not started (a flag refused late, a failed resume leave no trace)
-            return
-        s = dict(env_id=a.env_id, exp_name=a.exp_name, seed=a.seed, device=a.device, world_size=self.world_size,
-                 status=status, total_env_steps=c["global_step"], iterations=c["iteration"],
-                 wall_seconds=round(c["seconds"], 3), setup_seconds=round(self.setup_seconds, 3),
-                 mean_sps=round(c["timed_steps"] / c["seconds"], 1) if c["seconds"] else None, episodes=c["episodes"],
-                 mean_return_last_100=float(np.mean(self.recent_returns)) if self.recent_returns else None,
-                 solved_threshold=getattr(self.envs, "reward_threshold", None), solved_at_step=c["solved_step"],
-                 solved_at_seconds=c["solved_seconds"] and round(c["solved_seconds"], 3), eval_returns=None,
-                 eval_mean_return=None, model_path=None)  # fmt: skip
-        if status != "non-finite loss" and a.save_model:  # NaN weights are not worth keeping
-            s["model_path"] = os.path.join(self.dir, f"{a.exp_name}.cleanrl_model")
-            torch.save(self.agent.state_dict(), s["model_path"])
-        if a.eval_episodes and status in ("completed", "target return reached", "evaluated") and not self.stop_signal:
-            video = os.path.join(self.dir, "videos", "evaluation.mp4") if a.capture_video else None
-            for sig in self.handlers:  # a signal now ends the evaluation at once; summary.json is still written
-                signal.signal(sig, signal.default_int_handler)
-            with contextlib.suppress(KeyboardInterrupt):  # the evaluation that confirmed the target, unless filmed
-                if not (reuse := c["target_reached"] and video is None):
-                    self.note(f"evaluating the policy on {a.eval_episodes} episodes")
-                s["eval_returns"] = self.eval_returns if reuse else self.greedy(evaluate, self.envs, a, video)
-                s["eval_mean_return"] = float(np.mean(s["eval_returns"]))
-                self.writer.add_scalar("eval/episodic_return", s["eval_mean_return"], c["global_step"])
-                if self.wandb is not None:  # at the last global_step (define_metric's step_sync)
-                    self.wandb.log({"eval/episodic_return": s["eval_mean_return"]})
-                    if video and os.path.exists(video):
-                        self.wandb.log({"videos/evaluation": sys.modules["wandb"].Video(video, format="mp4")})
-        with open(os.path.join(self.dir, "summary.json"), "w") as f:
-            json.dump(s | {"args": asdict(a)}, f, indent=2)
-        self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        shown = "total_env_steps wall_seconds mean_sps mean_return_last_100 solved_at_step eval_mean_return".split()
-        number = lambda value: f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
-        line = ", ".join(f"{key} {number(s[key])}" for key in shown if s[key] is not None)
-        resume = f"; go on with --resume {self.dir}" if status == "interrupted" and self.checkpointed >= 0 else ""
-        print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
-
-
-def check_run_flags(args) -> torch.device:
-    """Reject bad run-management flags in one line (UsageError) before anything is built; return the device."""
-    names = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
-    gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
-    check_flags(args, {name: (getattr(args, name) >= 0, ">= 0") for name in names} | {
-        "device": (args.device == "cpu" or args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1],
-                   f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)")})  # fmt: skip
-    compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
-    if args.compile and args.device == "cpu" and not shutil.which(compiler):
-        raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")
-    for flag, module, pin in (("capture_video", "imageio", "imageio==2.38.1"), ("track", "wandb", "wandb==0.31.0")):
-        if getattr(args, flag) and importlib.util.find_spec(module) is None:
-            raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}")
-    if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
-        raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
-    if args.resume:  # one rule: the algorithm's flags, those before --total-timesteps in Args, are the checkpoint's
-        saved, names = read_checkpoint(args.resume), list(Args.__dataclass_fields__)
-        check_flags(args, {n: (getattr(args, n) == saved["args"].get(n), f"the checkpoint's {saved['args'].get(n)} "
-                               "(--resume may change the flags from --total-timesteps on)")
-                           for n in names[: names.index("total_timesteps")]})  # fmt: skip
-        if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
-            raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
-    return torch.device(args.device)
-
-
-def read_checkpoint(path: str, flag: str = "--resume") -> dict:
-    """The checkpoint at `path` (or `path`/checkpoint.pt; with --load-model a model too) as plain data, on the CPU."""
-    file, script = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path, os.path.basename(__file__)
-    if not os.path.isfile(file) and os.path.isfile(group := os.path.join(path, "summary.json")):  # K seeds' folder:
-        with open(group) as f:  # the first seed's checkpoint, for K seeds
-            dirs = json.load(f).get("run_dirs") or [file]  # a run's own: no checkpoint
-        saved = read_checkpoint(dirs[0], flag)
-        return saved | {"args": saved["args"] | {"num_seeds": len(dirs)}}
-    if not os.path.isfile(file):
-        raise UsageError(f"{flag} {path}: no such file")
-    try:
-        saved = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not a torch file, or holding objects other than plain data
-        raise UsageError(f"{flag} {file} is not a readable checkpoint ({str(e).splitlines()[0][:80]})") from None
-    if not isinstance(saved, dict) or saved.get("script", script) != script:
-        raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
-    if flag == "--resume" and "counters" not in saved:
-        raise UsageError(f"--resume {file} holds weights only; evaluate them with --eval-only --load-model")
-    return saved
-
-
-def parse_args() -> Args:
-    """tyro's command line, its error box made one `error: ...` line; with --resume, flags left out keep their value."""
-    argv, default = sys.argv[1:], tyro.MISSING_NONPROP
-    resume = [v for f, v in zip(argv, argv[1:]) if f == "--resume"] + [f[9:] for f in argv if f.startswith("--resume=")]
-    if resume and resume[-1] != "None":
-        default = Args(**{k: v for k, v in read_checkpoint(resume[-1])["args"].items() if k in Args.__annotations__})
-    try:
-        with contextlib.redirect_stderr(box := io.StringIO()):
-            return tyro.cli(Args, default=default)
-    except SystemExit as e:
-        if e.code != 2:  # --help
-            raise
-        rows = [row.strip("│|╭╮╰╯ ") for row in box.getvalue().splitlines()]  # a unicode or an ASCII box
-        rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
-        message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
-        hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
-        raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
-
-
 def main() -> None:
-    try:
-        args = parse_args()
-        device = check_run_flags(args)
-        if "LOCAL_RANK" in os.environ:  # torchrun: join the group (a collective waiting 5 minutes fails, not hangs)
-            if device.type == "cuda":  # this rank's GPU
-                torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"])))
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
-        if device.type == "cpu":  # process-wide, so set here rather than inside train(); the ranks share the cores
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= THREADED_FROM_ENVS else 1))
-        train_seeds(train, replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
-    except UsageError as e:
-        rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
-        time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
-        print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
-        sys.exit(2)
-    except FloatingPointError as e:
-        sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
-    except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
-        sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
-    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
-        signum, checkpoint = (e.args[0], ", with a checkpoint") if e.args else (signal.SIGINT, "")
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
-        sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """`python ppo_atari_envpool.py [flags]`: the flags parsed and checked, then `train` (ladder/cli.py)."""
+    run_command_line(Args, train, THREADED_FROM_ENVS)
 
 
 if __name__ == "__main__":

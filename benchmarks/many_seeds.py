@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ppo_cartpole_gpu import aggregate, line, read_summary  # noqa: E402 (the scripts' own aggregate)
+from ladder.checkpoint import read_summary  # noqa: E402
+from ladder.statistics import aggregate, line  # noqa: E402 (the scripts' own aggregate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,7 +23,7 @@ from typing import Optional
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ppo_cartpole_gpu import aggregate, iqm, line, stratified_bootstrap_ci  # noqa: E402, F401 (the scripts' own code)
+from ladder.statistics import aggregate, iqm, line, stratified_bootstrap_ci  # noqa: E402, F401 (the scripts' own code)
 
 
 @dataclass

@@ -108,8 +108,9 @@ def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=No
     path = PATHS.get(script, os.path.join(ROOT, script + ".py"))
     cmd = [sys.executable, path, *flags]
     if hide:
-        cmd = [sys.executable, "-c", f"import runpy, sys; sys.modules[{hide!r}] = None; sys.argv = {[path, *flags]!r}; "
-               f"runpy.run_path({path!r}, run_name='__main__')"]  # fmt: skip
+        code = f"import runpy, sys; sys.modules[{hide!r}] = None; sys.argv = {[path, *flags]!r}; "
+        code += f"sys.path.insert(0, {os.path.dirname(path)!r}); runpy.run_path({path!r}, run_name='__main__')"
+        cmd = [sys.executable, "-c", code]  # as `python path`: its folder first on the path
     return subprocess.run(
         cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )

@@ -71,7 +71,7 @@ def with_a_second_network(args, average: bool) -> dict:
         nets["optimizer"] = torch.optim.Adam(nets["predictor"].parameters(), lr=1e-2)
         return real_start(self, *a, **k, target=nets["target"], predictor=nets["predictor"])
 
-    def log(self, env_steps, stats, rollout):
+    def log(self, env_steps, stats, episodes, rollout):
         obs = rollout.obs.flatten(0, 1)
         loss = (nets["predictor"](obs) - nets["target"](obs).detach()).square().mean()
         nets["optimizer"].zero_grad()
@@ -79,7 +79,7 @@ def with_a_second_network(args, average: bool) -> dict:
         if average:
             P.average_gradients(nets["predictor"])
         nets["optimizer"].step()
-        return real_log(self, env_steps, stats, rollout)
+        return real_log(self, env_steps, stats, episodes, rollout)
 
     P.Run.start, P.Run.log = start, log
     try:

@@ -4,7 +4,8 @@ that the move into ladder/ changed nothing a run writes. Recorded with
 
     python tests/recorded.py        # writes tests/data/recorded_1fff926.json and tests/data/ppo_stopped_1fff926/
 
-on a 2-core AMD EPYC, one torch thread. The runs are short (a few iterations) and on the CPU."""
+on a 2-core AMD EPYC, one torch thread, before the move (`record` runs whatever code is checked out: rerun it only to
+record a new baseline). The runs are short (a few iterations) and on the CPU."""
 
 from __future__ import annotations
 
@@ -68,26 +69,34 @@ def folders(cwd: str) -> list[str]:
     return sorted(d for d in glob.glob(os.path.join(cwd, "runs", "*")) if glob.glob(os.path.join(d, "events.*")))
 
 
-def run_config(module, config: str, cwd: str) -> list[dict]:
-    """Train the config in `cwd` with one torch thread; the scalars of each run folder (a seed each)."""
+def train_seeds(module):
+    """The script's --num-seeds entry: its own before the move, ladder's after."""
+    if hasattr(module, "train_seeds"):
+        return module.train_seeds
+    from ladder.seeds import train_seeds
+
+    return train_seeds
+
+
+def in_folder(cwd: str, fn, *args):
+    """`fn(*args)` run in `cwd` with one torch thread (Atari's convolutions round by the thread count)."""
     threads, here = torch.get_num_threads(), os.getcwd()
     torch.set_num_threads(1)
     os.chdir(cwd)
     try:
-        args = args_of(module, config)
-        if args.num_seeds > 1:
-            import ladder
-
-            ladder.train_seeds(module.train, args)
-        else:
-            module.train(args)
+        return fn(*args)
     finally:
         os.chdir(here)
         torch.set_num_threads(threads)
+
+
+def run_config(module, config: str, cwd: str) -> list[dict]:
+    """Train the config in `cwd`; the scalars of each run folder (a seed each)."""
+    in_folder(cwd, train_seeds(module), module.train, args_of(module, config))
     return [scalars(d) for d in folders(cwd)]
 
 
-def record() -> None:  # pragma: no cover (run by hand, on the code before the move)
+def record() -> None:  # run by hand, on the code the runs are to be recorded of (here: 1fff926)
     import importlib
 
     sys.path.insert(0, ROOT)
@@ -97,46 +106,30 @@ def record() -> None:  # pragma: no cover (run by hand, on the code before the m
         if hasattr(module, "import_brax"):
             module.import_brax()
         with tempfile.TemporaryDirectory() as cwd:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            here = os.getcwd()
-            os.chdir(cwd)
-            try:
-                args = args_of(module, config)
-                module.train_seeds(module.train, args)
-            finally:
-                os.chdir(here)
-                torch.set_num_threads(threads)
-            recorded[config] = [scalars(d) for d in folders(cwd)]
-        print(config, "recorded", file=sys.stderr)
+            recorded[config] = run_config(module, config, cwd)
     ppo = importlib.import_module("ppo_cartpole_gpu")
     with tempfile.TemporaryDirectory() as cwd:
-        here = os.getcwd()
-        os.chdir(cwd)
-        torch.set_num_threads(1)
+        in_folder(cwd, ppo.train, ppo.Args(device="cpu", progress_bar=False, exp_name="whole", **RESUMED))
+        recorded["resumed: one run"] = [scalars(folders(cwd)[0])]
+        real_log = ppo.Run.log
+
+        def log(self, *args, **kwargs):  # SIGTERM while iteration 2 is logged: the run stops after it
+            if self.counters["iteration"] == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_log(self, *args, **kwargs)
+
+        ppo.Run.log = log
         try:
-            ppo.train(ppo.Args(device="cpu", progress_bar=False, exp_name="whole", **RESUMED))
-            recorded["resumed: one run"] = [scalars(folders(cwd)[0])]
-            real_log = ppo.Run.log
-
-            def log(self, *args, **kwargs):  # SIGTERM while iteration 2 is logged: the run stops after it
-                if self.counters["iteration"] == 1:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                return real_log(self, *args, **kwargs)
-
-            ppo.Run.log = log
-            try:
-                ppo.train(ppo.Args(device="cpu", progress_bar=False, exp_name="cut", **RESUMED))
-            except KeyboardInterrupt:
-                pass
-            ppo.Run.log = real_log
-            (cut,) = glob.glob(os.path.join(cwd, "runs", "*__cut__*"))
-            shutil.rmtree(STOPPED, ignore_errors=True)
-            os.makedirs(STOPPED)
-            for name in ("checkpoint.pt", "summary.json"):
-                shutil.copy(os.path.join(cut, name), STOPPED)
+            in_folder(cwd, ppo.train, ppo.Args(device="cpu", progress_bar=False, exp_name="cut", **RESUMED))
+        except KeyboardInterrupt:
+            pass
         finally:
-            os.chdir(here)
+            ppo.Run.log = real_log
+        (cut,) = glob.glob(os.path.join(cwd, "runs", "*__cut__*"))
+        shutil.rmtree(STOPPED, ignore_errors=True)
+        os.makedirs(STOPPED)
+        for name in ("checkpoint.pt", "summary.json"):
+            shutil.copy(os.path.join(cut, name), STOPPED)
     with open(SCALARS, "w") as f:
         json.dump(recorded, f, indent=1)
 

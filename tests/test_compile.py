@@ -1,4 +1,4 @@
-"""`--compile`: the compiled hot phases compute what the eager ones do, in single graphs that compile once.
+"""`--compile`: the compiled phases compute what the eager ones do, in single graphs that compile once.
 
 torch.compile builds C++ kernels on the CPU (a C++ compiler is needed, as in CI). The first compilation
 of each phase takes seconds; the tests reuse one shape per script so that cost is paid once.
@@ -13,6 +13,7 @@ import torch._dynamo
 from torch._dynamo.utils import guard_failures
 
 from conftest import SCRIPTS, assert_close, import_script, origin, read_json
+from ladder.compile import compile_phases, functional_gradient_step, takes_functional_step
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -100,7 +101,7 @@ def test_functional_gradient_step_is_torch_adam_with_clipping(name):
     n = 64
     batch = mod.Batch(torch.randn(n, 4), torch.randint(0, 2, (n,)), torch.randn(n) - 0.7, torch.randn(n),
                       torch.randn(n), torch.randn(n))  # fmt: skip
-    functional = mod.functional_gradient_step(agent, opt, loss_fn, args)
+    functional = functional_gradient_step(agent, opt, loss_fn, args)
     eager = functools.partial(mod.gradient_step, twin, twin_opt, loss_fn, args)
     for _ in range(3):
         idx = torch.randperm(n)[:32]
@@ -155,7 +156,7 @@ def test_a_loss_may_call_any_agent_method_compiled_too():
     opt, twin_opt = (torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5) for a in (agent, twin))
     batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
                       torch.randn(32), torch.randn(32))  # fmt: skip
-    compiled = torch.compile(mod.functional_gradient_step(agent, opt, loss_fn, args), fullgraph=True)
+    compiled = torch.compile(functional_gradient_step(agent, opt, loss_fn, args), fullgraph=True)
     compiled(torch.tensor(1e-2), batch)
     mod.gradient_step(twin, twin_opt, loss_fn, args, batch)
     for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
@@ -176,11 +177,11 @@ def test_another_optimizer_compiled_takes_its_own_step(make):
     agent = mod.Agent(4, 2)
     twin = copy.deepcopy(agent)
     opt, twin_opt = make(agent.parameters()), make(twin.parameters())
-    assert not mod.writes_out(agent, opt) and mod.writes_out(agent, torch.optim.Adam(agent.parameters()))
+    assert not takes_functional_step(agent, opt) and takes_functional_step(agent, torch.optim.Adam(agent.parameters()))
     batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
                       torch.randn(32), torch.randn(32))  # fmt: skip
     torch._dynamo.reset()
-    (step,) = mod.hot_phases(agent, opt, mod.ppo_loss, mod.Args(compile=True))
+    (step,) = compile_phases(functools.partial(mod.gradient_step, agent, opt, mod.ppo_loss, mod.Args(compile=True)))
     for _ in range(3):
         step(batch)
         mod.gradient_step(twin, twin_opt, mod.ppo_loss, mod.Args(), batch)

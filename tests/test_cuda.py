@@ -25,6 +25,7 @@ from conftest import (
     stopped_and_resumed,
     torchrun,
 )
+from ladder.seeds import train_seeds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -65,8 +66,8 @@ def test_rollout_batch_and_gradient_steps_never_wait_for_the_host(name, in_tmp, 
     into an exception: the rollout, the batch preparation and every gradient step of two iterations run under it.
     (REINFORCE's rollout asks the host whether every episode has ended: one read per step, by design.)"""
     module = import_script(name)
-    real = module.hot_phases
-    monkeypatch.setattr(module, "hot_phases", lambda *a: tuple(map(never_syncing, real(*a))))
+    for phase in ("collect_rollout", "make_batch", "gradient_step"):  # what train() runs, as written
+        monkeypatch.setattr(module, phase, never_syncing(getattr(module, phase)))
     module.train(small_args(module, device="cuda", total_timesteps=16 * 32 * 2))
     summary = read_json(os.path.join(glob.glob("runs/*")[0], "summary.json"))
     assert summary["status"] == "completed" and summary["device"] == "cuda"
@@ -153,7 +154,7 @@ def test_a_recorded_run_equals_the_loop_on_cuda(name, compile, in_tmp, capsys):
     """The iteration (REINFORCE: each rollout chunk) recorded once and replayed gives the loop's scalars, bit for bit:
     the same kernels on the same numbers, the permutations and the dropout-free policy's noise drawn alike."""
     if compile and name != "ppo_cartpole_gpu":
-        pytest.skip("compiled: PPO's phases stand for the others' (the same hot_phases)")
+        pytest.skip("compiled: PPO's phases stand for the others' (the same compile_phases)")
     module = import_script(name)
     graphed, loop, notes = recorded_and_not(module, small_args(module, device="cuda"), in_tmp, capsys, compile=compile)
     fn = "collect_rollout" if name == "reinforce" else "one_iteration"
@@ -232,9 +233,9 @@ def test_stacked_seeds_recorded_equal_stacked_seeds_unrecorded_on_cuda(name, in_
 
     module = import_script(name)
     args = small_args(module, device="cuda", num_seeds=2)
-    graphed = module.train_seeds(module.train, replace(args, cuda_graph=True, exp_name="graph"))
+    graphed = train_seeds(module.train, replace(args, cuda_graph=True, exp_name="graph"))
     assert any("--cuda-graph: recorded" in line for line in capsys.readouterr().err.splitlines())
-    loop = module.train_seeds(module.train, replace(args, cuda_graph=False, exp_name="loop"))
+    loop = train_seeds(module.train, replace(args, cuda_graph=False, exp_name="loop"))
     for k in range(2):
         for key, value in loop[k].state_dict().items():
             assert torch.equal(value, graphed[k].state_dict()[key]), f"seed {k + 1}: {key}"

@@ -162,9 +162,10 @@ def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path
     worker.write_text(f"""
 import datetime, os, sys, time
 sys.path.insert(0, {ROOT!r})
+import torch.distributed as dist
 import ppo_cartpole_gpu as P
-init, evaluate = P.dist.init_process_group, P.evaluate
-P.dist.init_process_group = lambda backend, **kw: init(backend, **kw | {{"timeout": datetime.timedelta(seconds=3)}})
+init, evaluate = dist.init_process_group, P.evaluate
+dist.init_process_group = lambda backend, **kw: init(backend, **kw | {{"timeout": datetime.timedelta(seconds=3)}})
 P.evaluate = lambda *args: time.sleep(8) or evaluate(*args)
 P.main()
 tasks = "/proc/self/task"  # Linux: the process's threads by name (elsewhere none are listed)

@@ -20,12 +20,14 @@ from conftest import (
     small_args,
     stopped_and_resumed,
 )
+from ladder.cuda_graph import CudaGraph
+from ladder.seeds import train_seeds
 
 
 def replayed_on_the_cpu(module, monkeypatch, record=lambda self, body: body) -> None:
-    """`cuda_graph` builds a `CudaGraph` on the CPU too, recording by `record` (by default: replay = run `body`)."""
-    monkeypatch.setattr(module, "cuda_graph", lambda fn, run, opt, *holders: module.CudaGraph(fn, run, opt, holders))
-    monkeypatch.setattr(module.CudaGraph, "record", record)
+    """`train` builds a `CudaGraph` on the CPU too, recording by `record` (by default: replay = run `body`)."""
+    monkeypatch.setattr(CudaGraph, "devices", ("cuda", "cpu"))
+    monkeypatch.setattr(CudaGraph, "record", record)
 
 
 def assert_same_run(tmp, a: str, b: str) -> None:
@@ -129,16 +131,9 @@ def test_two_stacked_seeds_replayed_equal_the_stacked_call_as_written(name, in_t
 
     module = import_script(name)
     args = small_args(module, num_seeds=2, cuda_graph=True)
-    plain = module.train_seeds(module.train, replace(args, exp_name="plain"))
-    stacked = module.Seeds.vmapped
-
-    def vmapped(self, *args):  # as on a GPU: the stacked call given to a CudaGraph
-        run = next(r for r in self.runs if r is not None)
-        return module.CudaGraph(stacked(self, *args), run, None, ())
-
-    monkeypatch.setattr(module.Seeds, "vmapped", vmapped)
-    monkeypatch.setattr(module.CudaGraph, "record", lambda self, body: body)
-    replayed = module.train_seeds(module.train, replace(args, exp_name="replayed"))
+    plain = train_seeds(module.train, replace(args, exp_name="plain"))
+    replayed_on_the_cpu(module, monkeypatch)  # as on a GPU: the stacked call given to a CudaGraph
+    replayed = train_seeds(module.train, replace(args, exp_name="replayed"))
     assert " of 2 seeds as one CUDA graph" in capsys.readouterr().err
     for k in range(2):
         for key, value in plain[k].state_dict().items():

@@ -1,6 +1,7 @@
 """--num-seeds K: the seeds of one process, each its own run (envs, weights, optimizer, clipping, advantage
 normalisation, minibatch order), stacked into one vmapped call; resumed, stopped, evaluated and filmed like one run."""
 
+import functools
 import glob
 import os
 import signal
@@ -11,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import ladder.seeds
 from conftest import (
     ROOT,
     SCRIPTS,
@@ -25,6 +27,8 @@ from conftest import (
     small_args,
     stop_with_sigterm_at,
 )
+from ladder.compile import compile_phases, functional_gradient_step
+from ladder.seeds import Seeds
 
 
 def folders(tmp, exp_name: str) -> tuple[str, list[str]]:
@@ -35,7 +39,7 @@ def folders(tmp, exp_name: str) -> tuple[str, list[str]]:
 
 def train_seeds(module, args):
     """`--num-seeds K` as main() runs it: the seeds' agents."""
-    return module.train_seeds(module.train, args)
+    return ladder.seeds.train_seeds(module.train, args)
 
 
 def stacked_stopped_and_resumed(module, args, tmp, monkeypatch):
@@ -99,15 +103,16 @@ def test_each_seed_clips_and_normalises_with_its_own_data():
                            -torch.rand(64, generator=g), torch.randn(64, generator=g), torch.randn(64, generator=g),
                            torch.randn(64, generator=g)) for _ in range(2)]  # fmt: skip
         batches[1] = batches[1]._replace(advantages=batches[1].advantages * scale)
-        seeds = P.Seeds(args)
+        seeds = Seeds(args)
         seeds.runs = [types.SimpleNamespace(device=torch.device("cpu"), args=args)] * 2
-        P.Seeds.current = seeds
+        Seeds.current = seeds
         try:
-            steps = [P.hot_phases(a, o, P.ppo_loss, args)[0] for a, o in zip(agents, optimizers)]
+            steps = [compile_phases(functools.partial(P.gradient_step, a, o, P.ppo_loss, args))[0]
+                     for a, o in zip(agents, optimizers)]  # fmt: skip
         finally:
-            P.Seeds.current = None
+            Seeds.current = None
         seeds.entries = [[(steps[k], optimizers[k], (agents[k],))] for k in range(2)]
-        stats = seeds.stacked(0, [0, 1], [(batches[0],), (batches[1],)])
+        stats = seeds.call_stacked(0, [0, 1], [(batches[0],), (batches[1],)])
         return agents, stats, batches[0]
 
     (one, _), stats, batch = update(1.0)
@@ -119,7 +124,7 @@ def test_each_seed_clips_and_normalises_with_its_own_data():
     torch.manual_seed(0)
     alone = P.Agent(4, 2)
     optimizer = torch.optim.Adam(alone.parameters(), lr=1e-2, eps=1e-5)
-    P.functional_gradient_step(alone, optimizer, P.ppo_loss, args)(torch.tensor(1e-2), batch)
+    functional_gradient_step(alone, optimizer, P.ppo_loss, args)(torch.tensor(1e-2), batch)
     for a, b in zip(one.parameters(), alone.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 

@@ -221,9 +221,10 @@ def test_a_statistic_may_be_nan_only_the_losses_must_be_finite(name, in_tmp, mon
     module = import_script(name)
     real_log = module.Run.log
 
-    def log(self, env_steps, stats, rollout):  # as train() adding to `stats` before it calls run.log
+    def log(self, env_steps, stats, *episodes_rollout):  # as train() adding to `stats` before it calls run.log
         even = self.counters["iteration"] % 2 == 1  # the iteration being logged is the one after the counter's
-        return real_log(self, env_steps, stats | {"charts/mine": torch.tensor(math.nan if even else 7.0)}, rollout)
+        mine = {"charts/mine": torch.tensor(math.nan if even else 7.0)}
+        return real_log(self, env_steps, stats | mine, *episodes_rollout)
 
     monkeypatch.setattr(module.Run, "log", log)
     module.train(small_args(module, eval_episodes=0))
@@ -231,8 +232,8 @@ def test_a_statistic_may_be_nan_only_the_losses_must_be_finite(name, in_tmp, mon
     assert [value for _, value in logged["charts/mine"]] == [7.0] * 3
     assert [step for step, _ in logged["charts/mine"]] == [step for step, _ in logged["losses/entropy"]][::2]
 
-    def nan_loss(self, env_steps, stats, rollout):
-        return real_log(self, env_steps, stats | {"losses/mine": torch.tensor(math.nan)}, rollout)
+    def nan_loss(self, env_steps, stats, *episodes_rollout):
+        return real_log(self, env_steps, stats | {"losses/mine": torch.tensor(math.nan)}, *episodes_rollout)
 
     monkeypatch.setattr(module.Run, "log", nan_loss)
     with pytest.raises(FloatingPointError, match="non-finite loss at iteration 1"):

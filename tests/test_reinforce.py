@@ -48,24 +48,24 @@ def record(monkeypatch, args: R.Args):
     """Train with `args`, recording each rollout as collected, each batch trained on, and the env steps
     and the episodes (return, length) each `Run.log` call counts."""
     rollouts, batches, logs = [], [], []
-    collect_episodes, hot_phases, log = R.collect_episodes, R.hot_phases, R.Run.log
+    collect_episodes, gradient_step, log = R.collect_episodes, R.gradient_step, R.Run.log
 
     def recording_collect(collect, agent, envs, storage):
         steps = collect_episodes(collect, agent, envs, storage)
         rollouts.append(R.Rollout(*(x[:steps].clone() for x in storage)))
         return steps
 
-    def recording_hot_phases(*a):
-        *phases, gradient_step = hot_phases(*a)
-        return *phases, lambda batch, idx=None: batches.append(batch) or gradient_step(batch, idx)
+    def recording_gradient_step(agent, optimizer, loss_fn, args, batch, idx=None):
+        batches.append(batch)
+        return gradient_step(agent, optimizer, loss_fn, args, batch, idx)
 
-    def recording_log(run, env_steps, stats, rollout):
-        ended, returns, lengths = R.finished_episodes(rollout)
+    def recording_log(run, env_steps, stats, episodes, rollout=None):
+        ended, returns, lengths = episodes
         logs.append((env_steps, returns[ended].clone(), lengths[ended].clone()))
-        return log(run, env_steps, stats, rollout)
+        return log(run, env_steps, stats, episodes, rollout)
 
     monkeypatch.setattr(R, "collect_episodes", recording_collect)
-    monkeypatch.setattr(R, "hot_phases", recording_hot_phases)
+    monkeypatch.setattr(R, "gradient_step", recording_gradient_step)
     monkeypatch.setattr(R.Run, "log", recording_log)
     R.train(args)
     assert len(rollouts) == len(batches) == len(logs)

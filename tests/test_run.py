@@ -1,7 +1,5 @@
-"""What the five scripts share: the `Run` class (identical copies), the algorithm's shape, the PPO loss
-against hand-computed numbers, and the run management's bookkeeping on scripted rollouts."""
+"""The PPO loss against hand-computed numbers, and ladder's `Run` (its bookkeeping) on scripted rollouts."""
 
-import ast
 import contextlib
 import glob
 import importlib
@@ -15,97 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ALL_SCRIPTS, ROOT, SCRIPTS, SUMMARY_KEYS, import_script, read_json
+from conftest import ROOT, SCRIPTS, SUMMARY_KEYS, import_script, read_json
 
 pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
-
-BANNER = "# Run management: identical in all five scripts\n"
-FAST_BANNER = (
-    "# Fast paths: compile, one CUDA graph per iteration, K seeds stacked; identical in the four tensor scripts\n"
-)
-# pieces outside the run block that every script carries, word for word
-ALL_SHARED = ["check_flags", "mean_over_ranks", "gradient_step", "average_gradients", "video_writer"]
-CARTPOLE_SHARED = ["CartPole", "EasyCart", "SpinCart", "draw", "grid_video", "make_envs", "layer_init", "Tanh", "mlp",
-                   "Rollout", "RolloutNoise", "collect_rollout", "LossOf", "functional_gradient_step", "hot_phases",
-                   "compiled", "writes_out", "finished_episodes", "evaluate", "record_video"]  # fmt: skip
-# the PPO algorithm and the compiled gradient step, also in the Brax script (its env, agent and rollout differ)
-PPO_SHARED = ["layer_init", "Tanh", "mlp", "Batch", "compute_gae", "make_batch", "ppo_loss", "explained_variance",
-              "update", "LossOf", "functional_gradient_step", "writes_out", "hot_phases", "compiled"]  # fmt: skip
-
-
-def script_text(name: str) -> str:
-    with open(os.path.join(ROOT, name + ".py")) as f:
-        return f.read()
-
-
-def run_block(name: str) -> str:
-    """A script's text from the run-management banner to its end."""
-    with open(os.path.join(ROOT, name + ".py")) as f:
-        text = f.read()
-    assert text.count(BANNER) == 1, f"{name}.py has no (or more than one) run-management banner"
-    return text[text.index(BANNER) :]
-
-
-@pytest.mark.parametrize("name", ALL_SCRIPTS[1:])
-def test_the_run_block_is_the_same_text_to_the_last_byte(name):
-    assert run_block(name) == run_block("ppo_cartpole_gpu")
-    template, mod = import_script("ppo_cartpole_gpu"), import_script(name)
-    for obj in ALL_SHARED:
-        assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
-
-
-def test_brax_carries_the_same_ppo_update():
-    template, mod = import_script("ppo_cartpole_gpu"), import_script("ppo_mujoco_brax")
-    for obj in PPO_SHARED:
-        assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
-
-
-@pytest.mark.parametrize("name", SCRIPTS[1:])
-def test_cartpole_scripts_carry_the_same_env_and_networks(name):
-    template, mod = import_script("ppo_cartpole_gpu"), import_script(name)
-    for obj in CARTPOLE_SHARED:
-        assert inspect.getsource(getattr(mod, obj)) == inspect.getsource(getattr(template, obj)), obj
-
-
-@pytest.mark.parametrize("name", ALL_SCRIPTS)
-def test_args_list_the_algorithm_first_and_the_run_from_total_timesteps(name):
-    """The one resume rule relies on this order: the flags before --total-timesteps are the algorithm's."""
-    fields = list(import_script(name).Args.__dataclass_fields__)
-    assert fields.index("seed") < fields.index("total_timesteps") < fields.index("exp_name")
-    assert fields[fields.index("total_timesteps") :][:3] == ["total_timesteps", "target_return", "exp_name"]
-
-
-@pytest.mark.parametrize("name", ALL_SCRIPTS)
-def test_the_file_keeps_its_line_budgets(name):
-    """Readable in one sitting: the loss within 380 lines of the top, the end of `train()` within 560, a run block of
-    at most 360 lines, and the whole file within 1,550 (the issues' 1,150 did not hold the fast-path block's CUDA graph
-    and K stacked seeds: docs/tests.md, "Line budgets")."""
-    with open(os.path.join(ROOT, name + ".py")) as f:
-        text = f.read()
-    tree = ast.parse(text).body
-    (loss,) = [n for n in tree if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
-    (train,) = [n for n in tree if isinstance(n, ast.FunctionDef) and n.name == "train"]
-    assert len(text.splitlines()) <= 1550 and len(run_block(name).splitlines()) <= 360
-    assert loss.lineno - 1 <= 380, f"{loss.name} comes after {loss.lineno - 1} lines"
-    assert train.end_lineno <= 560, f"train() ends at line {train.end_lineno}"
-
-
-@pytest.mark.parametrize("name", [s for s in ALL_SCRIPTS if s not in ("ppo_cartpole_gpu", "ppo_atari_envpool")])
-def test_the_fast_path_block_is_the_same_text_in_the_four_tensor_scripts(name):
-    """From its banner to the run block's: compile, the CUDA graph (Atari's envs step on the host: it has none)."""
-    block = lambda script: script_text(script).split(BANNER)[0].split(FAST_BANNER)[1]  # noqa: E731
-    assert block(name) == block("ppo_cartpole_gpu")
-    assert FAST_BANNER not in script_text("ppo_atari_envpool")
-
-
-@pytest.mark.parametrize("name", ALL_SCRIPTS)
-def test_train_is_one_screen_of_named_phases(name):
-    mod = import_script(name)
-    lines = inspect.getsource(mod.train).splitlines()
-    assert len(lines) <= 45, f"{name}.train() has {len(lines)} lines"
-    source = "\n".join(lines)
-    assert "with Run(args) as run:" in source and "run.log(" in source and "collect_rollout" in source
-    assert "writer" not in source and "summary" not in source and "wandb" not in source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,28 +98,25 @@ def test_explained_variance_is_nan_for_constant_returns(name):
 # Run: the bookkeeping on scripted rollouts
 # ---------------------------------------------------------------------------------------------
 import ppo_cartpole_gpu as P  # noqa: E402
+from ladder.run import Run  # noqa: E402
 
 
-class ScriptedRollout:
-    """What Run reads of a CartPole rollout: where episodes ended, and their returns and lengths."""
-
-    def __init__(self, returns):
-        n = len(returns)
-        self.dones = torch.ones(1, n, dtype=torch.bool)
-        self.episode_return = torch.tensor([returns], dtype=torch.float32)
-        self.episode_length = self.episode_return.int()
+def episodes(returns):
+    """What `run.log` takes of a rollout: the episodes that ended, as (ended, return, length) tensors."""
+    returns = torch.tensor(returns, dtype=torch.float32)
+    return torch.ones(len(returns), dtype=torch.bool), returns, returns.int()
 
 
-def scripted_run(in_tmp, rollouts, stats=None, **flags):
+def scripted_run(in_tmp, rollouts, stats=None, evaluate=P.evaluate, **flags):
     args = P.Args(**dict(progress_bar=False, eval_episodes=0, save_model=True) | flags)
     agent = P.Agent(4, 2)
     optimizer = torch.optim.Adam(agent.parameters())
     stats = stats or {"losses/total_loss": torch.tensor(0.5), "losses/explained_variance": torch.tensor(float("nan"))}
     stopped_at = None
-    with P.Run(args) as run:
+    with Run(args, evaluate, P.record_video) as run:
         run.start(agent, P.CartPole(4), optimizer, total_steps=1000 * len(rollouts))
         for i, returns in enumerate(rollouts, 1):
-            if run.log(1000, stats, ScriptedRollout(returns)):
+            if run.log(1000, stats, episodes(returns)):
                 stopped_at = i
                 break
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
@@ -240,9 +147,9 @@ def test_the_target_stops_a_run_once_the_evaluation_reaches_it_too(in_tmp, monke
     an Intel Xeon: a 100-episode mean of 905, its mean action 749). The run trains on and asks again once 100 more
     episodes have ended; it stops when the evaluation reaches the target, whose returns the summary keeps."""
     scores, calls = iter([[400.0] * 3, [500.0] * 3]), []
-    monkeypatch.setattr(P, "evaluate", lambda agent, envs, args, video: calls.append(video) or next(scores))
+    evaluate = lambda agent, envs, args, video: calls.append(video) or next(scores)
     rollouts = [[500.0] * 100, [500.0] * 50, [500.0] * 60, [500.0] * 10]
-    summary, stopped_at = scripted_run(in_tmp, rollouts, eval_episodes=3)
+    summary, stopped_at = scripted_run(in_tmp, rollouts, eval_episodes=3, evaluate=evaluate)
     # 1: evaluated 400, trains on; 2: 50 episodes later, not asked; 3: 110 later, evaluated 500: stops
     assert stopped_at == 3 and calls == [None, None] and summary["status"] == "target return reached"
     assert summary["eval_returns"] == [500.0] * 3  # the confirming evaluation's: not played a third time
@@ -264,7 +171,7 @@ def test_resuming_a_run_that_reached_its_target_is_refused_unless_the_target_cha
     agent = P.Agent(4, 2)
     args = P.Args(progress_bar=False, eval_episodes=0, target_return=target, resume=folder)
     expected = pytest.raises(P.UsageError, match="the run has ended") if refused else contextlib.nullcontext()
-    with expected, P.Run(args) as run:
+    with expected, Run(args, P.evaluate, P.record_video) as run:
         run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10_000)
 
 
@@ -287,9 +194,9 @@ def test_run_writes_everything_on_ctrl_c(in_tmp):
     args = P.Args(progress_bar=False, eval_episodes=3, save_model=True)
     agent = P.Agent(4, 2)
     with pytest.raises(KeyboardInterrupt):
-        with P.Run(args) as run:
+        with Run(args, P.evaluate, P.record_video) as run:
             run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10)
-            run.log(10, {"losses/total_loss": torch.tensor(1.0)}, ScriptedRollout([20.0, 30.0]))
+            run.log(10, {"losses/total_loss": torch.tensor(1.0)}, episodes([20.0, 30.0]))
             raise KeyboardInterrupt
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
     summary = read_json(path)
@@ -398,7 +305,7 @@ def test_ctrl_c_after_a_sigterm_stops_at_once(in_tmp):
 
     agent = P.Agent(4, 2)
     with pytest.raises(KeyboardInterrupt) as stopped:
-        with P.Run(P.Args(progress_bar=False, eval_episodes=0)) as run:
+        with Run(P.Args(progress_bar=False, eval_episodes=0), P.evaluate, P.record_video) as run:
             run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10)
             run.request_stop(signal.SIGTERM, None)  # what the SIGTERM handler does
             os.kill(os.getpid(), signal.SIGINT)

@@ -1,5 +1,7 @@
 """vpg.py: the importance-weighted loss reduces to plain VPG on a rollout's first use; reuse takes more steps."""
 
+import functools
+
 import pytest
 import torch
 
@@ -90,7 +92,9 @@ def test_rollout_reuse_takes_importance_weighted_steps(uses, monkeypatch):
     before = [p.detach().clone() for p in agent.parameters()]
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     calls = []
-    (gradient_step,) = V.hot_phases(agent, optimizer, lambda *a: calls.append(a) or V.vpg_loss(*a), args)
+    gradient_step = functools.partial(
+        V.gradient_step, agent, optimizer, lambda *a: calls.append(a) or V.vpg_loss(*a), args
+    )
     stats = V.update(gradient_step, batch, args)
     assert len(calls) == uses
     assert set(stats) == {f"losses/{name}" for name in STATS}

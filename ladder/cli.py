@@ -1,0 +1,186 @@
+"""The command line: the run's flags every script's `Args` inherits, one-line errors, and `main`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import FrozenInstanceError, dataclass, fields, replace
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import tyro
+
+from ladder.checkpoint import read_checkpoint
+
+
+class UsageError(Exception):
+    """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
+
+
+@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
+class RunFlags:
+    """The run's length and its management. A script's `Args` adds the algorithm's flags, which a --resume keeps as
+    the checkpoint has them; these it may change. A script overrides a default by declaring the field again."""
+
+    total_timesteps: int = 5_000_000
+    """upper bound on env steps, all torchrun ranks together (training may stop earlier: `target-return`)"""
+    target_return: Optional[float] = None
+    """stop once the mean return of the last 100 episodes reaches this (None: never)"""
+    exp_name: str = "experiment"
+    """the name of this experiment (part of the run folder's name)"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device to run everything on (cuda when available, else cpu)"""
+    torch_threads: int = 0
+    """CPU threads for torch (ignored on GPU); 0: one per core, or one where the script's nets are too small to share"""
+    compile: bool = False
+    """torch.compile the phases of an iteration (iteration 1 compiles: not counted in SPS)"""
+    cuda_graph: bool = False
+    """on a GPU, record an iteration's device work once as a CUDA graph and replay it (docs/running.md: GPU)"""
+    num_seeds: int = 1
+    """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "rl-ladder"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None uses your default"""
+    wandb_group: Optional[str] = None
+    """the W&B group of the run (--num-seeds: each seed's run in the group of their aggregate folder's name)"""
+    capture_video: bool = False
+    """film the policy every `video-interval` iterations and in the final evaluation (videos/ in the run folder)"""
+    video_interval: int = 25
+    """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
+    save_model: bool = False
+    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
+    checkpoint_interval: int = 1000
+    """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
+    resume: Optional[str] = None
+    """a run folder (or its checkpoint.pt) to go on from: omitted flags keep its values; only these run flags change"""
+    eval_only: bool = False
+    """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
+    load_model: Optional[str] = None
+    """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
+    eval_episodes: int = 10
+    """episodes the greedy policy plays after training (0 skips the evaluation)"""
+    progress_bar: bool = True
+    """show a live progress bar with SPS, the recent return and the time left"""
+
+
+RUN_FLAGS = {f.name for f in fields(RunFlags)}
+"""The flags a --resume may change; every other field of a script's `Args` is the algorithm's."""
+
+
+def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
+    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(args, name)
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+
+
+def check_run_flags(args) -> torch.device:
+    """Reject bad run flags in one line (UsageError) before anything is built; return the device."""
+    counts = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
+    gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
+    cuda = args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1]
+    rules = {name: (getattr(args, name) >= 0, ">= 0") for name in counts}
+    rules["device"] = (
+        args.device == "cpu" or cuda,
+        f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)",
+    )
+    check_flags(args, rules)
+    compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
+    if args.compile and args.device == "cpu" and not shutil.which(compiler):
+        raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")
+    for flag, module, pin in (("capture_video", "imageio", "imageio==2.38.1"), ("track", "wandb", "wandb==0.31.0")):
+        if getattr(args, flag) and importlib.util.find_spec(module) is None:
+            raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}")
+    if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
+        raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
+    if args.resume:  # one rule: the checkpoint's algorithm flags, all but the run's (`RunFlags`), are kept
+        saved = read_checkpoint(args.resume, script_file(type(args)))
+        algorithm = [name for name in type(args).__dataclass_fields__ if name not in RUN_FLAGS]
+        kept = "the checkpoint's {} (--resume may change only the run's flags, --total-timesteps to --progress-bar)"
+        check_flags(
+            args, {n: (getattr(args, n) == saved["args"].get(n), kept.format(saved["args"].get(n))) for n in algorithm}
+        )
+        if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
+            raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
+    return torch.device(args.device)
+
+
+def script_file(Args: type) -> str:
+    """The file name of the script that defines `Args` (a copy's own name): a checkpoint says which script wrote it."""
+    module = sys.modules.get(Args.__module__)
+    return os.path.basename(getattr(module, "__file__", None) or f"{Args.__module__}.py")
+
+
+def parse_args(Args):
+    """tyro's command line, its error box made one `error: ...` line; with --resume, flags left out keep their value."""
+    argv, default = sys.argv[1:], tyro.MISSING_NONPROP
+    resume = [v for f, v in zip(argv, argv[1:]) if f == "--resume"] + [f[9:] for f in argv if f.startswith("--resume=")]
+    if resume and resume[-1] != "None":
+        saved = read_checkpoint(resume[-1], script_file(Args))["args"]
+        default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
+    try:
+        with contextlib.redirect_stderr(box := io.StringIO()):
+            return tyro.cli(Args, default=default)
+    except SystemExit as e:
+        if e.code != 2:  # --help
+            raise
+        rows = [row.strip("│|╭╮╰╯ ") for row in box.getvalue().splitlines()]  # a unicode or an ASCII box
+        rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
+        message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
+        hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
+        raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
+
+
+def set_threads(args, threaded_from_envs: int) -> None:
+    """Torch's CPU threads, process-wide (so here rather than in train()); the torchrun ranks share the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= threaded_from_envs else 1))
+
+
+def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
+    """`python script.py [flags]`: parse the flags, join torchrun's group, set the threads, train (--num-seeds K: K
+    seeds stacked), and end in one line: a usage error exits 2, a NaN loss 1, a signal 128 + its number. Below
+    `threaded_from_envs` envs torch gets one thread (docs/running.md: "Threads and a busy machine")."""
+    from ladder.seeds import train_seeds
+
+    try:
+        args = parse_args(Args)
+        device = check_run_flags(args)
+        if "LOCAL_RANK" in os.environ:  # torchrun: join the group (a collective waiting 5 minutes fails, not hangs)
+            if device.type == "cuda":  # this rank's GPU
+                torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
+        if device.type == "cpu":
+            set_threads(args, threaded_from_envs)
+        train_seeds(train, replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
+    except UsageError as e:
+        rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
+        time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
+        print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FloatingPointError as e:
+        sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
+    except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
+        sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
+    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
+        signum, checkpoint = (e.args[0], ", with a checkpoint") if e.args else (signal.SIGINT, "")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
+        sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

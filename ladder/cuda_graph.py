@@ -1,0 +1,167 @@
+"""--cuda-graph: an iteration's device work recorded once as a CUDA graph and replayed, its thousands of kernel
+launches from Python made one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+
+class HostWatch(torch.overrides.TorchFunctionMode):
+    """Call 1's watch (eager code only: dynamo would trace a mode) for the first torch call that waits for the host or
+    mixes a CPU tensor (a scalar) into CUDA ones: a recording cannot hold the one and would keep the other's value."""
+
+    def __init__(self, graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = func(*args, **(kwargs or {}))
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        devices = {x.device.type for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        if (syncs or {"cpu", "cuda"} <= devices) and not self.graph.reason:  # where: the innermost line not torch's
+            torch_dir = os.path.dirname(torch.__file__)
+            here = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)]
+            why = "it waits for the host" if syncs else "a CPU tensor meets CUDA ones"
+            self.graph.reason = f"{why} at {here[-1].filename}:{here[-1].lineno}"
+        for w in caught if not syncs else ():
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
+
+
+class CudaGraph:
+    """`fn` (tensors in and out: an iteration's device work) recorded once as a CUDA graph: its thousands of launches
+    from Python become one. Call 1 runs it as written, watching for host reads; call 2 records it; every call replays
+    it on the memory recorded (inputs, and the tensors it leaves on the `state` objects, copied in; outputs cloned).
+    What cannot be recorded runs as written, with a note. Python values are replayed as recorded: what changes must be
+    a tensor. `state`: the modules and objects (the envs) whose tensors `fn` reads and replaces."""
+
+    devices = ("cuda",)  # where an iteration is given to a CudaGraph (tests add "cpu": `record` then replays `body`)
+
+    def __init__(self, fn, run, optimizer: Optional[torch.optim.Optimizer] = None, *state):
+        self.fn, self.run, self.replay, self.calls = fn, run, None, 0
+        tables = [m._buffers for obj in state if isinstance(obj, nn.Module) for m in obj.modules()]
+        tables += [vars(obj) for obj in state if not isinstance(obj, nn.Module)]  # an env's state, a module's buffers
+        self.slots = [(table, k) for table in tables for k, v in table.items() if torch.is_tensor(v)]
+        capturable = optimizer is None or "capturable" in optimizer.defaults
+        self.groups = optimizer.param_groups if optimizer and capturable and run.device.type == "cuda" else []
+        self.lrs = [torch.zeros((), device=run.device) for _ in self.groups]
+        self.reason = None if run.args.cuda_graph else ""  # None: to be recorded; "": not, silently
+        if self.reason is None and not capturable:
+            self.reason = f"{type(optimizer).__name__} has no capturable mode"
+        elif self.reason is None and run.world_size > 1:
+            self.reason = "under torchrun the gradients' all-reduce is not recorded"
+
+    def __call__(self, *args):
+        self.calls += 1
+        leaves, spec = pytree.tree_flatten(args)
+        if self.calls == 2 and self.reason is None:
+            self.start_recording(leaves, spec)
+        if self.reason:  # said once
+            self.run.note(f"--cuda-graph: {self.fn.__name__} runs as written, not as a CUDA graph: {self.reason}")
+            self.reason = ""
+        fits = lambda x, static: x.shape == static.shape if torch.is_tensor(x) else x is static  # noqa: E731
+        if self.replay is None or not all(map(fits, leaves, self.static)):
+            first = self.calls == 1 and self.reason is None and self.run.device.type == "cuda"
+            with self.rates(), self.warm_up() if first else contextlib.nullcontext():
+                return self.fn(*args)
+        for lr, group in zip(self.lrs, self.groups):
+            lr.fill_(group["lr"])
+        for x, static in zip(leaves, self.static):
+            if torch.is_tensor(x) and x is not static:
+                static.copy_(x)
+        self.hold()
+        out = self.replay()
+        for x, static in zip(leaves, self.static):  # what `fn` wrote into its inputs (not into an env's state held)
+            if torch.is_tensor(x) and x is not static and not any(x is held for held in self.static_slots):
+                x.copy_(static)
+        return pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, out)
+
+    def hold(self) -> None:
+        """The `state` objects' tensors, where new ones replaced them (`fn` out of place, a reset), copied into the
+        recorded ones."""
+        for (table, k), static in zip(self.slots, self.static_slots):
+            if table[k] is not static:
+                table[k] = static.copy_(table[k])
+
+    @contextlib.contextmanager
+    def rates(self):
+        """Learning rates as device tensors, as a replay reads them (and fused Adam rounds: recorded or not, alike)."""
+        saved = [(group["lr"], group["capturable"]) for group in self.groups]
+        for group, lr in zip(self.groups, self.lrs):
+            group["lr"], group["capturable"] = lr.fill_(group["lr"]), True
+        try:
+            yield
+        finally:
+            for group, (lr, capturable) in zip(self.groups, saved):
+                group["lr"], group["capturable"] = lr, capturable
+
+    @contextlib.contextmanager
+    def warm_up(self):
+        """Call 1 on a side stream, as recordings need; a host read in it (torch's own, compiling, aside) stops one."""
+        (stream := torch.cuda.Stream()).wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            watch = contextlib.nullcontext() if self.run.args.compile else HostWatch(self)
+            with torch.cuda.stream(stream), warnings.catch_warnings(record=True) as caught, watch:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.current_stream().wait_stream(stream)
+        for w in caught:
+            if "synchroniz" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            elif not w.filename.startswith(os.path.dirname(torch.__file__)):
+                self.reason = self.reason or f"it waits for the host at {w.filename}:{w.lineno}"
+
+    def start_recording(self, leaves, spec) -> None:
+        """Call 2: `fn` recorded on copies of the inputs and on the `state` objects' tensors as they are (no work is
+        done)."""
+        start, saved = time.perf_counter(), [(table, k, table[k]) for table, k in self.slots]
+        # an input that is one of the `state` objects' tensors (the obs a reset returned) stays that tensor, as in the
+        # warm-up:
+        # compiled code is specialised on which inputs alias, and would compile again inside the recording (and fail)
+        self.static_slots = held = [v for *_, v in saved]
+        self.static = [x if any(x is v for v in held) or not torch.is_tensor(x) else x.clone() for x in leaves]
+        cuda = self.run.device.type == "cuda"  # a failed recording leaves torch's CUDA generator unusable: a clone
+        generator = torch.cuda.default_generators[self.run.device.index or 0] if cuda else None
+        rng = generator.clone_state() if cuda else None
+
+        def body():
+            out = self.fn(*pytree.tree_unflatten(self.static, spec))
+            self.hold()  # recorded too: a replay leaves the new state where the next one reads it
+            return out
+
+        try:
+            with self.rates():
+                self.replay = self.record(body)
+        except Exception as e:  # a host read or a CPU tensor during the recording, an op CUDA graphs cannot hold
+            for table, k, v in saved:
+                table[k] = v
+            if cuda:
+                generator.graphsafe_set_state(rng)
+            while e.__context__ is not None:  # the first error: the others followed from it
+                e = e.__context__
+            self.reason = f"recording it failed ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]})"
+            return
+        seconds = time.perf_counter() - start
+        self.run.clock, self.run.setup_seconds = self.run.clock + seconds, self.run.setup_seconds + seconds
+        self.run.note(f"--cuda-graph: recorded {self.fn.__name__} as one CUDA graph in {seconds:.2f} s, not counted")
+
+    def record(self, body):
+        """`body`'s kernels recorded as a CUDA graph (nothing runs); returns its replay (the CPU tests: `body`)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+        return lambda: graph.replay() or out  # replay() returns None

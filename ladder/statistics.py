@@ -1,0 +1,57 @@
+"""Statistics across seeds, as rliable (Agarwal et al. 2021) computes them: the interquartile mean with a stratified
+bootstrap confidence interval, and the aggregate of runs' summary.json files in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def iqm(scores: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Interquartile mean: the mean of the middle half, after dropping floor(n/4) scores from each end (as
+    scipy.stats.trim_mean(scores, 0.25), which rliable uses)."""
+    n = scores.shape[axis]
+    return np.sort(scores, axis=axis).take(range(n // 4, n - n // 4), axis=axis).mean(axis=axis)
+
+
+def stratified_bootstrap_ci(scores: dict[str, np.ndarray], reps: int = 10_000, seed: int = 0, level: float = 0.95):
+    """The percentile interval of the IQM over `reps` resamples, each drawing every stratum's (env's) runs with
+    replacement from that stratum alone and pooling them (rliable's stratified bootstrap)."""
+    rng = np.random.default_rng(seed)
+    pooled = [runs[rng.integers(0, len(runs), size=(reps, len(runs)))] for runs in scores.values()]
+    samples = iqm(np.concatenate(pooled, axis=1), axis=1)
+    return tuple(np.percentile(samples, [100 * (1 - level) / 2, 100 * (1 + level) / 2]))
+
+
+def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
+    """Runs' summary.json files in one (rliable, Agarwal et al. 2021): how many reached the target, the median and
+    IQR of the steps to solve, the IQM of the final evaluations with a 95% bootstrap CI; None where none has it."""
+    steps = np.array([s["solved_at_step"] for s in summaries if s["solved_at_step"] is not None], dtype=float)
+    evals: dict[str, list[float]] = {}
+    for s in summaries:
+        if s["eval_mean_return"] is not None:
+            evals.setdefault(s["env_id"], []).append(s["eval_mean_return"])
+    reached = sum(s["status"] == "target return reached" for s in summaries)
+    agg = dict(
+        runs=len(summaries), seeds=sorted(s["seed"] for s in summaries), solved=len(steps), target_reached=reached
+    )
+    agg |= dict(solved_at_step_median=None, solved_at_step_iqr=None, evaluated=sum(map(len, evals.values())))
+    agg |= dict(eval_iqm=None, eval_iqm_ci95=None)
+    if len(steps):
+        q1, median, q3 = np.percentile(steps, [25, 50, 75]).tolist()
+        agg.update(solved_at_step_median=median, solved_at_step_iqr=[q1, q3])
+    if evals:
+        ci = stratified_bootstrap_ci({env: np.array(v) for env, v in evals.items()}, reps, seed)
+        agg.update(eval_iqm=float(iqm(np.concatenate(list(evals.values())))), eval_iqm_ci95=[float(x) for x in ci])
+    return agg
+
+
+def line(agg: dict) -> str:
+    """The aggregate in one line."""
+    steps, evals = "none solved", "no evaluation"
+    if agg["solved"]:
+        (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]
+        steps = f"solved at step median {median:,.0f} (IQR {q1:,.0f}–{q3:,.0f}) of {agg['solved']}"
+    if agg["eval_iqm"] is not None:
+        low, high = agg["eval_iqm_ci95"]
+        evals = f"eval IQM {agg['eval_iqm']:.1f} (95% CI {low:.1f}–{high:.1f}, {agg['evaluated']} runs)"
+    return f"{agg['target_reached']}/{agg['runs']} reached the target; {steps}; {evals}"
