@@ -414,7 +414,7 @@ def train(args: Args) -> Agent:
         # with --resume: agent, optimizer, RNGs and counters as the checkpoint left them (EnvPool's games start anew;
         # your own state goes in by name: a tensor changed in place, or an object with a state_dict())
         run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
-        for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
+        for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             env_steps = collect_rollout(agent, envs, rollout, env_batch)

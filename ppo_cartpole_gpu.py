@@ -425,7 +425,7 @@ def train(args: Args, envs=None) -> Agent:
             one_iteration = run.seeds.stack(one_iteration, run, optimizer, envs, agent)
         elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             one_iteration = CudaGraph(one_iteration, run, optimizer, envs, agent)
-        for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
+        for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             obs, stats = one_iteration(obs, RolloutNoise.draw(envs, T), rollout)

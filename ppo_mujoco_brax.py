@@ -434,7 +434,7 @@ def train(args: Args) -> Agent:
             learn = run.seeds.stack(learn, run, optimizer, agent)
         elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             learn = CudaGraph(learn, run, optimizer, agent)
-        for iteration in range(run.counters["iteration"] + 1, num_iterations + 1):
+        for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
             raw_obs = collect_rollout(agent, envs, raw_obs, rollout, scale_reward)

@@ -366,7 +366,7 @@ def train(args: Args, envs=None) -> Agent:
             collect = run.seeds.stack(collect, run, None, envs, agent)
         elif run.device.type in CudaGraph.devices:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
             collect = CudaGraph(collect, run, None, envs, agent)
-        while run.counters["global_step"] < total_steps:
+        for _ in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
             steps = collect_episodes(collect, agent, envs, storage)

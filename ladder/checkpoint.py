@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 
 def read_summary(folder: Optional[str]) -> Optional[dict]:
@@ -42,6 +43,26 @@ def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
     return saved
 
 
+def load_in_place(obj, saved) -> None:
+    """`obj` as `saved` has it, in place: a tensor copied into, an object through its load_state_dict; an optimizer's
+    param groups stay the dicts they were (torch's load_state_dict makes new ones, and a reference the code took to one
+    before, to anneal its rate, would go dead)."""
+    if torch.is_tensor(obj):
+        obj.copy_(saved)
+        return
+    groups = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else None
+    obj.load_state_dict(saved)
+    if groups is not None:
+        for group, loaded in zip(groups, obj.param_groups):
+            group.update(loaded)
+        obj.param_groups = groups
+
+
+def state(obj):
+    """What a checkpoint keeps of a tensor (itself) or of an object (its state_dict)."""
+    return obj if torch.is_tensor(obj) else obj.state_dict()
+
+
 def save_checkpoint(run) -> None:
     """`run`'s checkpoint.pt: the state given to `run.start` and, from every torchrun rank, its RNGs and envs, with
     the counters and the recent returns; written to a temporary file, then renamed (a kill mid-write leaves the old)."""
@@ -49,22 +70,19 @@ def save_checkpoint(run) -> None:
 
     cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
     envs = run.envs.state_dict() if hasattr(run.envs, "state_dict") else None  # EnvPool's emulators: none
-    ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs}]
+    # each rank's own state on the CPU: gathered under NCCL, a CUDA tensor of rank r would be rebuilt on cuda:r
+    on_cpu = lambda x: x.cpu() if torch.is_tensor(x) else x
+    own = {k: pytree.tree_map(on_cpu, state(v)) for k, v in run.stateful.items() if k in run.per_rank}
+    ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs, "state": own}]
     if run.world_size > 1:  # every rank's RNGs and envs, to rank 0
         dist.gather_object(mine, ranks := [None] * run.world_size if run.rank == 0 else None, dst=0)
         note_ranks_apart(run)
     run.checkpointed = run.counters["iteration"]
     if run.rank != 0:
         return
-    checkpoint = {k: v if torch.is_tensor(v) else v.state_dict() for k, v in run.stateful.items()}
-    checkpoint |= {
-        "ranks": ranks,
-        "script": run.script,
-        "args": asdict(run.args),
-        "counters": run.counters,
-        "recent_returns": list(run.recent_returns),
-        "wandb_id": run.wandb and run.wandb.id,
-    }
+    checkpoint = {k: state(v) for k, v in run.stateful.items() if k not in own} | {"ranks": ranks, "script": run.script}
+    checkpoint |= dict(args=asdict(run.args), counters=run.counters, recent_returns=list(run.recent_returns))
+    checkpoint["wandb_id"] = run.wandb and run.wandb.id
     path = os.path.join(run.dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(checkpoint, f)

@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from ladder.cli import UsageError
 
+ADAM = torch.optim.Adam  # the class it writes out (taken at import: a test may replace torch.optim.Adam's name)
+
 
 class LossModule(nn.Module):
     """`loss_fn(agent, args, minibatch)` as a module whose parameters torch.func.functional_call swaps: the loss gets
@@ -25,77 +27,91 @@ class LossModule(nn.Module):
 
 
 def functional_gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args):
-    """The script's `gradient_step` as one pure function of (lr, batch, idx) that torch.compile makes a single graph
-    (it cuts `backward()` and `step()` apart: 3x slower here) and torch.func.vmap stacks over seeds: torch.func.grad's
-    gradients, clipped to `args.max_grad_norm`, in plain Adam's update written out on the optimizer's own state and
-    settings (built after `run.start` has loaded them). The parameters and state are read at each call: the stacked
-    seeds swap in theirs."""
-    group, loss_module = optimizer.param_groups[0], LossModule(agent, loss_fn, args)
-    (beta1, beta2), eps = group["betas"], group["eps"]
-    for p in loss_module.parameters():
-        if not optimizer.state[p]:  # what torch.optim.Adam creates at its first step
-            state = dict(
-                step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
-            )
-            optimizer.state[p].update(state)
-    states = [optimizer.state[p] for p in loss_module.parameters()]
+    """The script's `gradient_step` as one pure function of (the groups' rates, batch, idx) that torch.compile makes a
+    single graph (it cuts `backward()` and `step()` apart: 3x slower here) and torch.func.vmap stacks over seeds:
+    torch.func.grad's gradients of the optimizer's parameters (the agent's others held fixed), clipped to
+    `args.max_grad_norm`, in Adam's update written out per param group, on the optimizer's own state and settings
+    (built after `run.start` has loaded them). A parameter whose gradient is exactly zero takes no step: one the loss
+    does not use gets zeros from torch.func.grad where backward() leaves its .grad None, which torch.optim skips. The
+    parameters and state are read at each call: the stacked seeds swap in theirs."""
+    loss_module = LossModule(agent, loss_fn, args)
+    name_of = {p: name for name, p in loss_module.named_parameters()}
+    groups = [([name_of[p] for p in g["params"]], *g["betas"], g["eps"]) for g in optimizer.param_groups]
+    for p in (p for g in optimizer.param_groups for p in g["params"] if not optimizer.state[p]):
+        zeros = dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))  # as torch.optim.Adam's first step
+        optimizer.state[p].update(step=torch.zeros((), device=p.device), **zeros)
+    states = {name_of[p]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]}
 
-    def step(lr, batch, idx=None):
+    def step(lrs, batch, idx=None):
         minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))  # gathered inside the graph
         params = dict(loss_module.named_parameters())
-        loss = lambda p, mb: torch.func.functional_call(loss_module, p, (mb,))
-        grads, stats = torch.func.grad(loss, has_aux=True)(params, minibatch)
+        trained = {name: params[name] for name in states}
+        loss = lambda trained, mb: torch.func.functional_call(loss_module, params | trained, (mb,))
+        grads, stats = torch.func.grad(loss, has_aux=True)(trained, minibatch)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
-            for p, g, s in zip(params.values(), grads.values(), states):  # s: the optimizer's state as it is now
-                g = g * clip
-                s["step"] += 1
-                s["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)  # m = β1 m + (1 - β1) g (vmap has no lerp_ rule)
-                s["exp_avg_sq"].mul_(beta2).add_(g * g, alpha=1 - beta2)  # v = β2 v + (1 - β2) g²
-                denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt() + eps
-                p.sub_(lr / (1 - beta1 ** s["step"]) * s["exp_avg"] / denom)
+            for lr, (names, beta1, beta2, eps) in zip(lrs, groups):
+                for name in names:  # s: the optimizer's state as it is now
+                    p, g, s = params[name], grads[name] * clip, states[name]
+                    used = (g != 0).any()
+                    s["step"] += used  # m = β1 m + (1 - β1) g, v = β2 v + (1 - β2) g² (vmap has no lerp_ rule)
+                    m = torch.where(used, s["exp_avg"].mul(beta1).add_(g, alpha=1 - beta1), s["exp_avg"])
+                    v = torch.where(used, s["exp_avg_sq"].mul(beta2).add_(g * g, alpha=1 - beta2), s["exp_avg_sq"])
+                    s["exp_avg"].copy_(m)
+                    s["exp_avg_sq"].copy_(v)
+                    denom = (v / (1 - beta2 ** s["step"])).sqrt() + eps
+                    p.sub_(torch.where(used, lr / (1 - beta1 ** s["step"]) * m / denom, 0.0))
         return stats
 
     return step
 
 
-def takes_functional_step(agent: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `functional_gradient_step` can take the step: plain Adam in one param group (what it writes out), no
-    parameter in two places (torch.func.grad cannot, compiled) and one process (it does not all-reduce)."""
-    group, uses = optimizer.param_groups[0], len(list(agent.named_parameters(remove_duplicate=False)))
-    plain = len(optimizer.param_groups) == 1 and not any(group.get(k) for k in ("weight_decay", "amsgrad", "maximize"))
-    alone = not dist.is_initialized() or dist.get_world_size() == 1
-    return type(optimizer) is torch.optim.Adam and plain and uses == len(list(agent.parameters())) and alone
+def cannot_take_functional_step(agent: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Why `functional_gradient_step` cannot take the optimizer's step ("": it can). It writes out Adam, plain in each
+    param group, on the parameters the optimizer holds: those must be the agent's trainable ones (another optimizer's
+    would go unstepped), none in two places (torch.func.grad cannot, compiled), in one process (no all-reduce)."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    trainable = [p for p in agent.parameters() if p.requires_grad]
+    decays = [k for g in optimizer.param_groups for k in ("weight_decay", "amsgrad", "maximize") if g.get(k)]
+    if type(optimizer) is not ADAM or decays:
+        return f"{type(optimizer).__name__}{f' with {decays[0]}' if decays else ''}, not plain Adam"
+    if {id(p) for p in held} != {id(p) for p in trainable} or len(held) != len(trainable):
+        return "the optimizer holds other parameters than the agent's trainable ones (another optimizer's?)"
+    if len(list(agent.named_parameters(remove_duplicate=False))) != len(list(agent.parameters())):
+        return "a parameter of the agent is in two places"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return "under torchrun the gradients are all-reduced"
+    return ""
 
 
 def compile_phases(step: functools.partial, *phases):
     """--compile: `phases` (functions of tensors) each compiled into one graph, and `step`, the script's
-    `functools.partial(gradient_step, agent, optimizer, loss_fn, args)`, as `functional_gradient_step` compiled (an
-    optimizer it does not write out: the loss compiled, then the optimizer's own step()). --num-seeds: the phases as
-    written and the step written out (vmap cannot run backward()), uncompiled: the stacked call is compiled whole."""
+    `functools.partial(gradient_step, agent, optimizer, loss_fn, args)`, as `functional_gradient_step` compiled (where
+    it cannot take the optimizer's step: the loss compiled, then the script's `gradient_step` with the optimizer's own
+    step()). --num-seeds: the phases as written and the step written out (vmap cannot run backward()), uncompiled:
+    the stacked call is compiled whole."""
     from ladder.seeds import Seeds
 
     gradient_step, (agent, optimizer, loss_fn, args) = step.func, step.args
-    stacked = Seeds.current is not None
-    if stacked and not takes_functional_step(agent, optimizer):
-        name = type(optimizer).__name__  # what functional_gradient_step writes out, vmap being unable to run backward()
+    stacked, why_not = Seeds.current is not None, cannot_take_functional_step(agent, optimizer)
+    if stacked and why_not:  # vmap cannot run backward()
         raise UsageError(
-            f"--num-seeds: the stacked seeds take plain Adam's step (one param group, no weight decay), not {name}'s "
-            "as set here; see docs/modifying.md#many-seeds"
+            f"--num-seeds: the stacked seeds take Adam's step written out, plain in each param group, on the agent's "
+            f"parameters; here: {why_not}; see docs/modifying.md#many-seeds"
         )
     if args.compile:  # random ops (dropout) draw as eager ones do: the same numbers
         torch._inductor.config.fallback_random = True
-    if not takes_functional_step(agent, optimizer):  # the loss's forward and backward compiled, then the optimizer's
+    if why_not:  # the loss's forward and backward compiled, then the script's step
         return *map(compiled, phases), functools.partial(gradient_step, agent, optimizer, compiled(loss_fn), args)
     build = compiled if args.compile and not stacked else lambda fn: fn
     functional = build(functional_gradient_step(agent, optimizer, loss_fn, args))
     device = next(agent.parameters()).device
-    group = optimizer.param_groups[0]  # (the dict: dynamo, seeing the optimizer in a graph, would set it capturable)
+    groups = optimizer.param_groups  # (the dicts: dynamo, seeing the optimizer in a graph, would set it capturable)
 
-    def functional_step(*batch_idx):  # the rate as the param group has it now (--resume replaced the groups before),
-        lr = group["lr"]  # in a tensor: as a float it would be a constant, compiled again at every iteration
-        return functional(lr if torch.is_tensor(lr) else torch.tensor(lr, device=device), *batch_idx)
+    def functional_step(*batch_idx):  # the rates as the param groups have them now, in tensors: as floats they would
+        lrs = [group["lr"] for group in groups]  # be constants, compiled again at every iteration
+        return functional([lr if torch.is_tensor(lr) else torch.tensor(lr, device=device) for lr in lrs], *batch_idx)
 
     return *map(build, phases), functional_step
 

@@ -28,8 +28,10 @@ def mean_over_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def shared_state(run) -> dict:
-    """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `run.start`."""
-    return {k: v for k, v in run.stateful.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
+    """What the torchrun ranks hold alike, by name: the modules (the agent, yours) and tensors given to `run.start`,
+    but those given as `PerRank`."""
+    alike = {k: v for k, v in run.stateful.items() if k not in run.per_rank}
+    return {k: v for k, v in alike.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
 
 
 def broadcast_from_rank_0(run) -> None:
@@ -49,5 +51,8 @@ def note_ranks_apart(run) -> None:
     dist.all_gather_object(every := [None] * run.world_size, sums)
     for name in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in run.diverged]:
         run.diverged.add(name)
-        fix = f"average_gradients({name}) between backward() and step(), docs/modifying.md"
-        run.note(f"{name} differs between the torchrun ranks (average its gradients: {fix}); rank 0's is saved")
+        if isinstance(run.stateful[name], nn.Module) and any(True for _ in run.stateful[name].parameters()):
+            fix = f"average its gradients: average_gradients({name}) between backward() and step()"
+        else:  # a tensor or buffers: no gradient to average
+            fix = f"if each rank keeps its own, give it to run.start as PerRank({name})"
+        run.note(f"{name} differs between the torchrun ranks ({fix}, docs/modifying.md); rank 0's is saved")

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from ladder.checkpoint import read_checkpoint, restore_progress, save_checkpoint
+from ladder.checkpoint import load_in_place, read_checkpoint, restore_progress, save_checkpoint
 from ladder.cli import UsageError, script_file
 from ladder.distributed import broadcast_from_rank_0
 
@@ -49,6 +49,7 @@ class Run(contextlib.AbstractContextManager):
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
         self.handlers, self.stop_signal, self.checkpointed, self.next_check, self.diverged = {}, 0, -1, 0, set()
+        self.looping, self.stopping = False, 0  # in `iterations`; a stop signal the ranks agreed on
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
@@ -56,9 +57,17 @@ class Run(contextlib.AbstractContextManager):
         state, tensors or objects with a state_dict), --load-model the agent's weights. Returns `obs` or the envs'."""
         self.agent, self.envs, self.optimizer, self.device = agent, envs, optimizer, next(agent.parameters()).device
         a, self.total_steps = self.args, total_steps
-        self.stateful = {"agent": agent, "optimizer": optimizer} | {k: v for k, v in stateful.items() if v is not None}
+        self.per_rank = {k for k, v in stateful.items() if isinstance(v, PerRank)}  # each torchrun rank's own
+        yours = {k: v.value if isinstance(v, PerRank) else v for k, v in stateful.items() if v is not None}
+        self.stateful = {"agent": agent, "optimizer": optimizer} | yours
         if odd := [k for k, v in self.stateful.items() if not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
             raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
+        scheduled = any("initial_lr" in group for group in optimizer.param_groups)  # what an lr_scheduler sets
+        if scheduled and not any(getattr(obj, "optimizer", None) is optimizer for obj in self.stateful.values()):
+            raise UsageError(
+                "a torch.optim.lr_scheduler drives the optimizer: give it to run.start(..., "
+                "scheduler=scheduler), or a --resume would start its schedule over"
+            )
         # the optimizer's settings (torch's load_state_dict takes the checkpoint's), but the rate: the flag's, annealed
         for saved, group in zip(self.saved["optimizer"]["param_groups"] if self.saved else [], optimizer.param_groups):
             for key in [key for key, value in saved.items() if key not in ("params", "lr") and group.get(key) != value]:
@@ -67,7 +76,8 @@ class Run(contextlib.AbstractContextManager):
             if self.model is not None:
                 agent.load_state_dict(self.model.get("agent", self.model))
             for name, obj in self.stateful.items() if self.saved is not None else ():
-                obj.copy_(self.saved[name]) if torch.is_tensor(obj) else obj.load_state_dict(self.saved[name])
+                ranks = self.saved["ranks"][self.rank].get("state", {})  # (a checkpoint before PerRank: none)
+                load_in_place(obj, ranks[name] if name in self.per_rank else self.saved[name])
         except (RuntimeError, ValueError) as e:  # another network, or a checkpoint of another version of the script
             flag = f"--resume {a.resume}" if self.saved is not None else f"--load-model {a.load_model}"
             raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
@@ -120,10 +130,10 @@ class Run(contextlib.AbstractContextManager):
         tqdm.write(f"note: {seed}{message}", file=sys.stderr) if self.rank == 0 else None
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], episodes, rollout=None) -> bool:
-        """One iteration's logs, videos and checkpoint from one host read (shared by the torchrun ranks: they decide
-        alike). `episodes`: (ended, return, length), tensors of one shape, the episodes that ended in the iteration;
-        `rollout`, what `record_video` films. FloatingPointError on a NaN loss, KeyboardInterrupt(signal) after a
-        signal; True once at the target."""
+        """One iteration's logs and videos from one host read (shared by the torchrun ranks: they decide alike).
+        `episodes`: (ended, return, length), tensors of one shape, the episodes that ended in the iteration; `rollout`,
+        what `record_video` films. FloatingPointError on a NaN loss; True once at the target. The checkpoint and a
+        signal's stop come at the end of the iteration (`iterations`)."""
         c, k = self.counters, 2 + len(stats)
         c["iteration"] += 1
         episodes = torch.stack([x.flatten().float() for x in episodes])  # (ended, return, length)
@@ -171,11 +181,33 @@ class Run(contextlib.AbstractContextManager):
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
             if self.greedy(self.record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
                 self.wandb.log({"videos/training": sys.modules["wandb"].Video(path, format="mp4")})
-        if self.args.checkpoint_interval and c["iteration"] % self.args.checkpoint_interval == 0:
-            save_checkpoint(self)
-        if stop_signal:
-            raise KeyboardInterrupt(stop_signal)
+        self.stopping = stop_signal  # the ranks stop together
+        if not self.looping:  # log called from a loop of the code's own: the end of the iteration is now
+            self.end_of_iteration()
         return c["target_reached"]
+
+    def iterations(self):
+        """The iterations left, numbered on from the checkpoint's, until the run's steps are done: `for iteration in
+        run.iterations():` in train(), `run.log` once in each. Between two, after the whole loop body (what follows
+        `run.log`, a scheduler's step, is in the checkpoint), the checkpoint is written when due, and a signal
+        stops the run."""
+        self.looping = True
+        try:
+            while self.counters["global_step"] < self.total_steps:
+                logged = self.counters["iteration"]
+                yield logged + 1
+                if self.counters["iteration"] == logged:
+                    raise UsageError("train() must call run.log(...) once in each iteration of run.iterations()")
+                self.end_of_iteration()
+        finally:
+            self.looping = False
+
+    def end_of_iteration(self) -> None:
+        """The checkpoint every `checkpoint-interval` iterations, then KeyboardInterrupt(signal) if a signal came."""
+        if self.args.checkpoint_interval and self.counters["iteration"] % self.args.checkpoint_interval == 0:
+            save_checkpoint(self)
+        if self.stopping:
+            raise KeyboardInterrupt(self.stopping)
 
     def confirmed(self, mean: float, target: float) -> bool:
         """Whether the policy `evaluate` plays reaches the target too (a sampling policy can, while its greedy twin
@@ -240,7 +272,8 @@ class Run(contextlib.AbstractContextManager):
         number = lambda value: f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
         line = ", ".join(f"{key} {number(s[key])}" for key in shown if s[key] is not None)
         resume = f"; go on with --resume {self.dir}" if status == "interrupted" and self.checkpointed >= 0 else ""
-        print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
+        if not isinstance(exc, UsageError):  # a refusal is main's one `error:` line, not a result line
+            print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
 
     def final_evaluation(self, summary: dict) -> None:
         """The evaluation that confirmed the target (unless filmed), or `eval-episodes` played now, into `summary`,
@@ -265,3 +298,11 @@ def stop_after_this_iteration(signum: int, note) -> None:
     """What a first SIGINT/SIGTERM does besides asking for a stop: the next Ctrl-C raises KeyboardInterrupt at once."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
+
+
+class PerRank:
+    """State given to `run.start` that each torchrun rank keeps its own of, as its envs (a recurrent policy's hidden
+    state): `run.start(..., hidden=PerRank(hidden))`. Saved and restored per rank; not broadcast from rank 0."""
+
+    def __init__(self, value):
+        self.value = value

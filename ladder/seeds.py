@@ -232,8 +232,8 @@ class Seeds:
                 set_slot(t, key, stand_in)
             try:
                 return stacked(values, inputs)
-            except RuntimeError as e:
-                if "vmap" not in str(e):
+            except RuntimeError as e:  # what vmap cannot do: a host read, a branch on a value, backward() (functorch's)
+                if "vmap" not in str(e) and "functorch" not in str(e):
                     raise
                 torch_dir = os.path.dirname(torch.__file__)
                 tb = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]

@@ -204,6 +204,32 @@ def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
             if tag != "charts/SPS"}  # fmt: skip
 
 
+HINTS = {
+    "charts/learning_rate": "the learning rate: a schedule not given to run.start, or state the rate is computed from",
+    "losses/": "the update: state the loss or the optimizer reads that the checkpoint does not keep",
+    "charts/episodic_": "the episodes: the envs' state or the actions' random numbers",
+}
+"""What a tag that differs first most likely points to."""
+
+
+def assert_same_scalars(run: str, one_run: str, what: str = "the resumed run") -> None:
+    """Two run folders logged the same scalars at the same steps; else which tag differs first, at which iteration
+    and step, by how much, and what that tag most likely points to (before: a diff of two whole dicts)."""
+    mine, theirs = scalars(run), scalars(one_run)
+    first = []  # each tag's first difference: (step, tag, its value here, in one run)
+    for tag in sorted(set(mine) | set(theirs)):
+        a, b = dict(mine.get(tag, [])), dict(theirs.get(tag, []))
+        differing = [step for step in sorted(set(a) | set(b)) if a.get(step) != b.get(step)]
+        if differing:
+            first.append((differing[0], tag, a.get(differing[0]), b.get(differing[0])))
+    if first:
+        step, tag, value, expected = min(first)
+        steps = sorted(dict(theirs.get("charts/learning_rate", [])))  # logged at every iteration
+        at = f"iteration {steps.index(step) + 1} (step {step:,})" if step in steps else f"step {step:,}"
+        cause = next((f"; likely {hint}" for prefix, hint in HINTS.items() if tag.startswith(prefix)), "")
+        raise AssertionError(f"{what}'s {tag} differs from one run's at {at}: {value} against {expected}{cause}")
+
+
 def run_dir(tmp, exp_name: str) -> str:
     """The one run folder under `tmp`/runs of the experiment `exp_name`."""
     (path,) = glob.glob(os.path.join(str(tmp), "runs", f"*__{exp_name}__*"))

@@ -9,6 +9,8 @@
 4. `update` of ppo_atari_envpool.py and of ppo_mujoco_brax.py on this rank's half of a fixed batch.
 5. `train()` of ppo_cartpole_gpu.py with a second network trained besides the agent, with and without
    `average_gradients`: both networks' weights (the notes go to torchrun's stderr, which the test saves).
+6. `train()` of ppo_cartpole_gpu.py with state each rank keeps its own of (given to `run.start` as `PerRank`, and,
+   to see the note, as a plain tensor), straight through and stopped after iteration 2 then resumed: the weights.
 """
 
 import functools
@@ -25,6 +27,7 @@ import ppo_cartpole_gpu as P  # noqa: E402
 import ppo_mujoco_brax as B  # noqa: E402  (torch only: JAX is imported when a Brax env is built)
 import reinforce as R  # noqa: E402
 import vpg as V  # noqa: E402
+from ladder.run import PerRank  # noqa: E402
 
 
 def fixed_batch(n: int = 64) -> P.Batch:
@@ -89,6 +92,40 @@ def with_a_second_network(args, average: bool) -> dict:
     return {name: nets[name].state_dict() for name in ("target", "predictor")}
 
 
+def with_state_per_rank(args, per_rank: bool, stop_at: int = 0):
+    """`P.train(args)` with a running mean of this rank's own observations (as a recurrent policy's hidden state is
+    this rank's own) that the loss reads, given to `run.start` as `PerRank` (else as a plain tensor); with `stop_at`,
+    stopped after that iteration (a signal on every rank), then resumed. Returns the agent."""
+    real_start, real_log, real_loss, box = P.Run.start, P.Run.log, P.ppo_loss, {}
+
+    def start(self, *a, **k):
+        box["mean"] = torch.zeros(4)
+        return real_start(self, *a, **k, obs_mean=PerRank(box["mean"]) if per_rank else box["mean"])
+
+    def log(self, env_steps, stats, episodes, rollout):
+        box["mean"].mul_(0.5).add_(rollout.obs.mean((0, 1)), alpha=0.5)  # differs by rank: their envs differ
+        if stop_at and self.counters["iteration"] == stop_at - 1 and not self.args.resume:
+            self.stop_signal = 15  # as torchrun's SIGTERM to every rank
+        return real_log(self, env_steps, stats, episodes, rollout)
+
+    def loss(agent, args, batch):
+        value, stats = real_loss(agent, args, batch)
+        return value + 1e-2 * (agent.critic(box["mean"]).square().mean()), stats
+
+    P.Run.start, P.Run.log, P.ppo_loss = start, log, loss
+    try:
+        if stop_at:
+            try:
+                P.train(args)
+            except KeyboardInterrupt:
+                pass
+            folder = os.path.join("runs", next(d for d in sorted(os.listdir("runs")) if f"__{args.exp_name}__" in d))
+            args = replace(args, resume=folder)
+        return P.train(args)
+    finally:
+        P.Run.start, P.Run.log, P.ppo_loss = real_start, real_log, real_loss
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -116,6 +153,10 @@ def main(out: str) -> None:
     for average in (False, True):
         nets = with_a_second_network(replace(args, exp_name=f"second_averaged{int(average)}"), average)
         torch.save(nets, os.path.join(out, f"second_averaged{int(average)}_rank{rank}.pt"))
+    for per_rank, stop_at in ((True, 0), (True, 2), (False, 2)):
+        name = f"per_rank{int(per_rank)}_stopped{stop_at}"
+        agent = with_state_per_rank(replace(args, exp_name=name, checkpoint_interval=1), per_rank, stop_at)
+        torch.save(agent.state_dict(), os.path.join(out, f"{name}_rank{rank}.pt"))
     for module, steps in ((V, 8), (R, 500)):  # VPG and REINFORCE run data parallel too
         args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
                            eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip

@@ -13,7 +13,7 @@ import torch._dynamo
 from torch._dynamo.utils import guard_failures
 
 from conftest import SCRIPTS, assert_close, import_script, origin, read_json
-from ladder.compile import compile_phases, functional_gradient_step, takes_functional_step
+from ladder.compile import cannot_take_functional_step, compile_phases, functional_gradient_step
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -53,8 +53,8 @@ def test_compiled_training_matches_eager(name, in_tmp):
     eager = trained(name, in_tmp)
     before = graph_count()
     compiled = trained(name, in_tmp, compile=True)
-    expected = {"ppo_cartpole_gpu": 3, "vpg": 3, "reinforce": 2}[origin(name)]
-    assert graph_count() - before == expected, recompilations()
+    expected = {"ppo_cartpole_gpu": 3, "vpg": 3, "reinforce": 2}[origin(name)]  # a copy may compile more of its own
+    assert graph_count() - before >= expected and recompilations() == "no recompilation", recompilations()
     for (key, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
         assert_close(a, b, key, atol=2e-4, rtol=1e-3)
 
@@ -105,7 +105,7 @@ def test_functional_gradient_step_is_torch_adam_with_clipping(name):
     eager = functools.partial(mod.gradient_step, twin, twin_opt, loss_fn, args)
     for _ in range(3):
         idx = torch.randperm(n)[:32]
-        stats = functional(torch.tensor(1e-2), batch, idx)
+        stats = functional([torch.tensor(1e-2)], batch, idx)
         twin_stats = eager(batch, idx)
         for tag in stats:
             torch.testing.assert_close(stats[tag], twin_stats[tag])
@@ -157,7 +157,7 @@ def test_a_loss_may_call_any_agent_method_compiled_too():
     batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
                       torch.randn(32), torch.randn(32))  # fmt: skip
     compiled = torch.compile(functional_gradient_step(agent, opt, loss_fn, args), fullgraph=True)
-    compiled(torch.tensor(1e-2), batch)
+    compiled([torch.tensor(1e-2)], batch)
     mod.gradient_step(twin, twin_opt, loss_fn, args, batch)
     for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
         assert_close(a, b, key, atol=1e-6, rtol=1e-5)
@@ -177,7 +177,8 @@ def test_another_optimizer_compiled_takes_its_own_step(make):
     agent = mod.Agent(4, 2)
     twin = copy.deepcopy(agent)
     opt, twin_opt = make(agent.parameters()), make(twin.parameters())
-    assert not takes_functional_step(agent, opt) and takes_functional_step(agent, torch.optim.Adam(agent.parameters()))
+    assert cannot_take_functional_step(agent, opt).endswith("not plain Adam")
+    assert cannot_take_functional_step(agent, torch.optim.Adam(agent.parameters())) == ""
     batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
                       torch.randn(32), torch.randn(32))  # fmt: skip
     torch._dynamo.reset()

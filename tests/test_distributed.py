@@ -120,8 +120,9 @@ def test_torchrun_solves_cartpole(tmp_path):
 
 def test_compiled_under_torchrun_the_ranks_stay_identical_and_match_eager(worker_outputs):
     """--compile under torchrun: each rank's loss compiled, its gradients all-reduced by `gradient_step` (the one-graph
-    step with Adam written out would not all-reduce, so `writes_out` sends torchrun runs the other way): both ranks
-    end bit-identical, and where the eager torchrun run ends (the compiled tanh and sums round differently)."""
+    step with Adam written out would not all-reduce: `cannot_take_functional_step` says so, and torchrun runs take
+    the other way): both ranks end bit-identical, and where the eager torchrun run ends (the compiled tanh and sums
+    round differently)."""
     eager = torch.load(worker_outputs / "train_rank0.pt")
     compiled = [torch.load(worker_outputs / f"train_compiled_rank{rank}.pt") for rank in (0, 1)]
     for key in eager:
@@ -195,6 +196,26 @@ def test_a_second_network_starts_alike_and_drifting_apart_is_noted(worker_output
             assert torch.equal(value, rank1["target"][key]), key
         same = all(torch.equal(v, rank1["predictor"][k]) for k, v in rank0["predictor"].items())
         assert same == bool(average)
-    notes = [line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "differs between" in line]
+    notes = [line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "predictor differs" in line]
     assert notes == ["note: predictor differs between the torchrun ranks (average its gradients: average_gradients("
                      "predictor) between backward() and step(), docs/modifying.md); rank 0's is saved"]  # fmt: skip
+
+
+def test_state_each_rank_keeps_its_own_resumes_as_one_run(worker_outputs):
+    """A tensor each rank keeps its own of (here a running mean of its observations, which the loss reads; in a copy,
+    a recurrent policy's hidden state), given to `run.start` as `PerRank`: saved and restored per rank, so a run
+    stopped after iteration 2 and resumed under torchrun ends with one run's weights, alike on both ranks. Given as a
+    plain tensor it is rank 0's at start and in the checkpoint: the resumed run ends elsewhere, and the note at the
+    checkpoint says to give it as `PerRank`, not to average gradients it has none of. Before, there was no per-rank
+    state: the resumed run's weights were 0.19 off (the issue's GRU copy), with advice to average its gradients."""
+    load = lambda name, rank: torch.load(worker_outputs / f"{name}_rank{rank}.pt")
+    whole, resumed, plain = (
+        load(name, 0) for name in ("per_rank1_stopped0", "per_rank1_stopped2", "per_rank0_stopped2")
+    )
+    for key, value in whole.items():
+        assert torch.equal(value, resumed[key]), key
+        assert torch.equal(load("per_rank1_stopped2", 1)[key], resumed[key]), f"rank 1: {key}"
+    assert any(not torch.equal(value, plain[key]) for key, value in whole.items())
+    notes = {line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "obs_mean differs" in line}
+    assert notes == {"note: obs_mean differs between the torchrun ranks (if each rank keeps its own, give it to "
+                     "run.start as PerRank(obs_mean), docs/modifying.md); rank 0's is saved"}  # fmt: skip

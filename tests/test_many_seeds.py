@@ -124,7 +124,7 @@ def test_each_seed_clips_and_normalises_with_its_own_data():
     torch.manual_seed(0)
     alone = P.Agent(4, 2)
     optimizer = torch.optim.Adam(alone.parameters(), lr=1e-2, eps=1e-5)
-    functional_gradient_step(alone, optimizer, P.ppo_loss, args)(torch.tensor(1e-2), batch)
+    functional_gradient_step(alone, optimizer, P.ppo_loss, args)([torch.tensor(1e-2)], batch)
     for a, b in zip(one.parameters(), alone.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
