@@ -176,8 +176,9 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
         sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
-    except KeyboardInterrupt as e:  # a signal, stopped after an iteration (carrying its number), or a second Ctrl-C
-        signum, checkpoint = (e.args[0], ", with a checkpoint") if e.args else (signal.SIGINT, "")
+    except KeyboardInterrupt as e:  # a signal: stopped after an iteration (carrying its number), while compiling
+        signum = e.args[0] if e.args else signal.SIGINT  # (its number and why), or a second Ctrl-C
+        checkpoint = ", with a checkpoint" if len(e.args) == 1 else ""
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM

@@ -49,7 +49,7 @@ class Run(contextlib.AbstractContextManager):
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
         self.handlers, self.stop_signal, self.checkpointed, self.next_check, self.diverged = {}, 0, -1, 0, set()
-        self.looping, self.stopping = False, 0  # in `iterations`; a stop signal the ranks agreed on
+        self.looping, self.stopping, self.first_iteration = False, 0, 1  # in `iterations`; the ranks' stop signal
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
@@ -87,6 +87,8 @@ class Run(contextlib.AbstractContextManager):
             broadcast_from_rank_0(self)
         if self.rank == 0:
             self.open_outputs(total_steps)
+        if a.compile and total_steps > self.counters["global_step"]:
+            self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
         if total_steps < 0.999 * a.total_timesteps and not a.eval_only:  # not for 5M -> 4,999,168
             self.note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
@@ -113,7 +115,11 @@ class Run(contextlib.AbstractContextManager):
             self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True, desc=end)
 
     def request_stop(self, signum: int, frame) -> None:
-        """SIGINT/SIGTERM: stop at the end of this iteration, with a checkpoint; a second Ctrl-C stops at once."""
+        """SIGINT/SIGTERM: stop at the end of this iteration, with a checkpoint; a second Ctrl-C stops at once, and so
+        does a first one while --compile compiles (minutes on a CPU), before any iteration is done to keep."""
+        if self.args.compile and self.counters["iteration"] < self.first_iteration:
+            self.note(f"{signal.Signals(signum).name} while compiling: stopping now, before the first iteration ends")
+            raise KeyboardInterrupt(signum, "while compiling")  # (signum) alone: stopped after an iteration
         self.stop_signal = self.stop_signal or signum
         stop_after_this_iteration(signum, self.note)
 
@@ -236,7 +242,7 @@ class Run(contextlib.AbstractContextManager):
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()
-        a, c, stopped = self.args, self.counters, isinstance(exc, KeyboardInterrupt) and bool(exc.args)
+        a, c, stopped = self.args, self.counters, isinstance(exc, KeyboardInterrupt) and len(exc.args) == 1
         status = "evaluated" if a.eval_only else "target return reached" if c["target_reached"] else "completed"
         if exc is not None:
             status = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss"}.get(exc_type, "error")
