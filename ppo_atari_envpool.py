@@ -28,6 +28,7 @@ acted on before the previous update (see `carry_over`), so the ratio starts at 1
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import math
 import os
@@ -106,12 +107,14 @@ class Args(RunFlags):
     """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
     eval_episodes: int = 4
     """whole games played by the final policy after training, scored with the real rewards (0 skips)"""
+    cuda_graph: bool = False
+    """off here (on in the tensor scripts): EnvPool steps on the host, and the update is not recorded yet"""
 
     def __post_init__(self):
         """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
         batch_size = self.num_envs * self.num_steps
         rules = {
-            "env_id": (is_atari_game(self.env_id), "an EnvPool Atari game (envpool.list_all_envs(): e.g. Pong-v5)"),
+            "env_id": atari_game_rule(self.env_id),
             "num_envs": (self.num_envs >= 1 + self.async_envs, "positive (--async-envs: at least 2)"),
             "num_steps": (self.num_steps > 0, "positive"),
             "update_epochs": (self.update_epochs > 0, "positive"),
@@ -438,13 +441,18 @@ def train(args: Args) -> Agent:
 
 
 # What train() and the run call: game ids, game scores, evaluation, videos
-def is_atari_game(env_id: str) -> bool:
-    """Whether EnvPool has this Atari game (UsageError when envpool is not installed)."""
+def atari_game_rule(env_id: str) -> tuple[bool, str]:
+    """Whether EnvPool has this Atari game, and the rule with the game meant by a misspelt id (UsageError when envpool
+    is not installed)."""
     try:
         import envpool
     except ImportError:
         raise UsageError("this script needs envpool: pip install envpool==1.2.5") from None
-    return env_id in envpool.list_all_envs() and type(envpool.make_spec(env_id)).__name__ == "AtariEnvSpec"
+    ids = envpool.list_all_envs()  # (a spec's type tells an Atari game; making every spec would import them all)
+    if env_id in ids and type(envpool.make_spec(env_id)).__name__ == "AtariEnvSpec":
+        return True, ""
+    meant = [game for game in difflib.get_close_matches(env_id, ids, n=3, cutoff=0.75) if game.endswith("-v5")]
+    return False, "an EnvPool Atari game " + (f"(did you mean {meant[0]}?)" if meant else "(e.g. Pong-v5)")
 
 
 class GameStats:

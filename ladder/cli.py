@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import io
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -43,8 +45,9 @@ class RunFlags:
     """CPU threads for torch (ignored on GPU); 0: one per core, or one where the script's nets are too small to share"""
     compile: bool = False
     """torch.compile the phases of an iteration (iteration 1 compiles: not counted in SPS)"""
-    cuda_graph: bool = False
-    """on a GPU, record an iteration's device work once as a CUDA graph and replay it (docs/running.md: GPU)"""
+    cuda_graph: bool = True
+    """on a GPU, record an iteration's device work once as a CUDA graph and replay it; --no-cuda-graph: the loop as
+    written (docs/running.md: GPU). On the CPU it changes nothing"""
     num_seeds: int = 1
     """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
     track: bool = False
@@ -141,7 +144,17 @@ def parse_args(Args):
         rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
         message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
         hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
+        unknown = re.match(r"Unrecognized options?: (--[\w-]+)", message)
+        hint = (unknown and flag_meant(unknown[1], Args)) or hint and hint.rstrip(",")  # tyro's lists: "--a, --no-a"
         raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
+
+
+def flag_meant(flag: str, Args) -> str | None:
+    """The flag `flag` abbreviates by initials (--lr: --learning-rate) or misspells, if any."""
+    names = [f"--{name.replace('_', '-')}" for name in Args.__dataclass_fields__]
+    names += [f"--no-{name[2:]}" for name, field in zip(names, fields(Args)) if field.type in (bool, "bool")]
+    initials = {"--" + "".join(word[0] for word in name[2:].split("-")): name for name in names}
+    return initials.get(flag) or next(iter(difflib.get_close_matches(flag, names, n=1, cutoff=0.75)), None)
 
 
 def set_threads(args, threaded_from_envs: int) -> None:
@@ -178,7 +191,12 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
     except KeyboardInterrupt as e:  # a signal: stopped after an iteration (carrying its number), while compiling
         signum = e.args[0] if e.args else signal.SIGINT  # (its number and why), or a second Ctrl-C
+        from ladder.run import Run
+
         checkpoint = ", with a checkpoint" if len(e.args) == 1 else ""
+        if checkpoint and Run.resumable:  # the whole command, to copy
+            launch = f"torchrun --nproc-per-node {dist.get_world_size()}" if dist.is_initialized() else "python"
+            checkpoint += f"; go on with: {launch} {sys.argv[0]} --resume {Run.resumable}"
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM

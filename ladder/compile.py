@@ -119,7 +119,10 @@ def compile_phases(step: functools.partial, *phases):
 def compiled(fn):
     """torch.compile'd `fn` as one graph (fullgraph: a break is an error, not a silent slowdown); what stops it ends
     the run in one line (a host read, a branch on a tensor's value, a value changing at every call)."""
-    graph = torch.compile(fn, fullgraph=True)
+    # a recurrence unrolled over T steps (an env's state through sin, clamp, where) is inlined into each step's
+    # kernels up to a number of ops, 50 on a CPU by inductor's default, 30 on a GPU: at 50 a continuous Pendulum's
+    # rollout took 435 s to compile at T=12, at 30 59 s (benchmarks/compile_time.py)
+    graph = torch.compile(fn, fullgraph=True, options={"realize_cpu_opcount_threshold": 30})
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -49,7 +49,7 @@ class CudaGraph:
     devices = ("cuda",)  # where an iteration is given to a CudaGraph (tests add "cpu": `record` then replays `body`)
 
     def __init__(self, fn, run, optimizer: Optional[torch.optim.Optimizer] = None, *state):
-        self.fn, self.run, self.replay, self.calls = fn, run, None, 0
+        self.fn, self.run, self.replay, self.calls, state = fn, run, None, 0, run.holding(state)
         tables = [m._buffers for obj in state if isinstance(obj, nn.Module) for m in obj.modules()]
         tables += [vars(obj) for obj in state if not isinstance(obj, nn.Module)]  # an env's state, a module's buffers
         self.slots = [(table, k) for table in tables for k, v in table.items() if torch.is_tensor(v)]

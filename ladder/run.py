@@ -33,6 +33,9 @@ class Run(contextlib.AbstractContextManager):
     `evaluate(agent, envs, args, video)` and `record_video(agent, envs, rollout, args, path)` are the script's: the
     final evaluation (its returns, filmed at `video` unless None) and a video during training (the path, or None)."""
 
+    resumable = None  # the folder of the last run stopped with a checkpoint, for main's last line
+    progress_line_seconds = 30.0  # without a terminal (nohup, CI): a plain progress line this often, for the bar
+
     def __init__(self, args, evaluate, record_video):
         from ladder.seeds import Seeds
 
@@ -47,7 +50,7 @@ class Run(contextlib.AbstractContextManager):
         self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, target_reached=False)
         self.counters |= dict(solved_step=None, solved_seconds=None)  # the first step where the mean reached the env's
         self.recent_returns: deque[float] = deque(maxlen=100)
-        self.agent = self.progress = self.writer = self.wandb = self.eval_returns = None
+        self.agent = self.progress = self.writer = self.wandb = self.eval_returns = self.last_line = None
         self.handlers, self.stop_signal, self.checkpointed, self.next_check, self.diverged = {}, 0, -1, 0, set()
         self.looping, self.stopping, self.first_iteration = False, 0, 1  # in `iterations`; the ranks' stop signal
         self.setup_seconds, self.clock = 0.0, time.perf_counter()  # the one clock: set-up until `start`
@@ -89,7 +92,9 @@ class Run(contextlib.AbstractContextManager):
             self.open_outputs(total_steps)
         if a.compile and total_steps > self.counters["global_step"]:
             self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
-        if total_steps < 0.999 * a.total_timesteps and not a.eval_only:  # not for 5M -> 4,999,168
+        if a.eval_only:  # no training: a folder of its own, the model's left as it is
+            self.note(f"--eval-only: evaluating {a.load_model} into a new run folder, {self.dir}")
+        elif total_steps < 0.999 * a.total_timesteps:  # not for 5M -> 4,999,168
             self.note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -113,6 +118,8 @@ class Run(contextlib.AbstractContextManager):
         if a.progress_bar and not a.eval_only and sys.stderr.isatty():  # a log file would fill with its redraws
             end = None if a.target_return is None else f"until return {a.target_return:g}"  # or the ETA's end
             self.progress = tqdm(total=total_steps, initial=self.counters["global_step"], unit_scale=True, desc=end)
+        elif a.progress_bar and not a.eval_only:  # no terminal: `log` writes a plain line now and then
+            self.last_line = time.perf_counter()
 
     def request_stop(self, signum: int, frame) -> None:
         """SIGINT/SIGTERM: stop at the end of this iteration, with a checkpoint; a second Ctrl-C stops at once, and so
@@ -129,6 +136,12 @@ class Run(contextlib.AbstractContextManager):
             return play(self.agent, *args)
         finally:
             self.agent.train()
+
+    def holding(self, state: tuple) -> tuple:
+        """`state` and the objects given to `start` by name (a module, an object with a state_dict; not a tensor): what
+        an iteration may change, which the stacked seeds and a CUDA graph then hold as they hold the agent."""
+        given = [v for k, v in self.stateful.items() if k not in ("agent", "optimizer") and not torch.is_tensor(v)]
+        return (*state, *[v for v in given if not any(v is s for s in state)])
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
@@ -179,9 +192,16 @@ class Run(contextlib.AbstractContextManager):
             self.writer.add_scalar(tag, value, c["global_step"])
         if self.wandb is not None:  # not W&B's sync_tensorboard: it follows one run per process
             self.wandb.log(scalars | {"global_step": c["global_step"]})
+        recent = f"{np.mean(self.recent_returns or [np.nan]):.1f}"
         if self.progress is not None:
             self.progress.update(steps)
-            self.progress.set_postfix(SPS=sps, ret=f"{np.mean(self.recent_returns or [np.nan]):.1f}", refresh=False)
+            self.progress.set_postfix(SPS=sps, ret=recent, refresh=False)
+        elif self.last_line is not None and now - self.last_line >= self.progress_line_seconds:
+            self.last_line, done, total = now, c["global_step"], self.total_steps
+            speed = f"{sps:,} SPS, {tqdm.format_interval((total - done) / sps)} left" if sps else "compiling"
+            seed = "" if self.seeds is None else f"seed {self.args.seed}: "
+            recent += f" (last {len(self.recent_returns)})"
+            print(f"{seed}{done:,}/{total:,} steps, {speed}, return {recent}", file=sys.stderr)
         interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
@@ -277,9 +297,13 @@ class Run(contextlib.AbstractContextManager):
         shown = "total_env_steps wall_seconds mean_sps mean_return_last_100 solved_at_step eval_mean_return".split()
         number = lambda value: f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
         line = ", ".join(f"{key} {number(s[key])}" for key in shown if s[key] is not None)
-        resume = f"; go on with --resume {self.dir}" if status == "interrupted" and self.checkpointed >= 0 else ""
+        train_mean, eval_mean = s["mean_return_last_100"], s["eval_mean_return"]
+        if train_mean is not None and eval_mean is not None and abs(eval_mean - train_mean) > 0.1 * abs(train_mean):
+            line += " (training samples its actions, the evaluation plays the greedy policy)"
+        if status == "interrupted" and self.checkpointed >= 0:  # main's last line: the command that goes on
+            Run.resumable = self.dir
         if not isinstance(exc, UsageError):  # a refusal is main's one `error:` line, not a result line
-            print(f"{status}: {line}; outputs in {self.dir}{resume}")  # last, after W&B's own summary
+            print(f"{status}: {line}; outputs in {self.dir}")  # last, after W&B's own summary
 
     def final_evaluation(self, summary: dict) -> None:
         """The evaluation that confirmed the target (unless filmed), or `eval-episodes` played now, into `summary`,

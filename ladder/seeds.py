@@ -23,7 +23,7 @@ from ladder.checkpoint import read_summary
 from ladder.cli import UsageError
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.run import stop_after_this_iteration
+from ladder.run import Run, stop_after_this_iteration
 from ladder.statistics import aggregate, line
 
 
@@ -132,9 +132,9 @@ class Seeds:
         for name in [k for k, v in run.stateful.items() if torch.is_tensor(v)][:1]:  # read as seed 1's by all seeds
             raise UsageError(
                 f"--num-seeds: run.start({name}=...), a tensor, cannot be each seed's own in the stacked "
-                "call: make it a buffer of the agent (docs/modifying.md#many-seeds)"
+                "call: make it a buffer of the agent or of a module given to run.start (docs/modifying.md#many-seeds)"
             )
-        self.entries[i].append((fn, optimizer, state))
+        self.entries[i].append((fn, optimizer, run.holding(state)))  # a module given to run.start: each seed's own
         self.runs[i], j = run, len(self.entries[i]) - 1
 
         @functools.wraps(fn)
@@ -259,8 +259,9 @@ class Seeds:
         with open(path, "w") as f:
             json.dump({"run_dirs": dirs, "num_seeds": len(dirs), **agg, "args": asdict(self.flags)}, f, indent=2)
         if final and summaries:
-            resume = f"; go on with --resume {self.dir}" if any(s["status"] == "interrupted" for s in summaries) else ""
-            print(f"{len(dirs)} seeds: {line(agg)}; outputs in {self.dir}{resume}")
+            if any(s["status"] == "interrupted" for s in summaries):  # main's last line: --resume the aggregate
+                Run.resumable = self.dir
+            print(f"{len(dirs)} seeds: {line(agg)}; outputs in {self.dir}")
 
 
 def finished(run_dir: str, args) -> bool:

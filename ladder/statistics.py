@@ -31,9 +31,9 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
         if s["eval_mean_return"] is not None:
             evals.setdefault(s["env_id"], []).append(s["eval_mean_return"])
     reached = sum(s["status"] == "target return reached" for s in summaries)
-    agg = dict(
-        runs=len(summaries), seeds=sorted(s["seed"] for s in summaries), solved=len(steps), target_reached=reached
-    )
+    agg = dict(runs=len(summaries), seeds=sorted(s["seed"] for s in summaries), solved=len(steps))
+    agg |= {"target_return": summaries[0]["args"]["target_return"]} if "args" in summaries[0] else {}  # the flag's
+    agg |= dict(target_reached=reached)
     agg |= dict(solved_at_step_median=None, solved_at_step_iqr=None, evaluated=sum(map(len, evals.values())))
     agg |= dict(eval_iqm=None, eval_iqm_ci95=None)
     if len(steps):
@@ -54,4 +54,6 @@ def line(agg: dict) -> str:
     if agg["eval_iqm"] is not None:
         low, high = agg["eval_iqm_ci95"]
         evals = f"eval IQM {agg['eval_iqm']:.1f} (95% CI {low:.1f}–{high:.1f}, {agg['evaluated']} runs)"
-    return f"{agg['target_reached']}/{agg['runs']} reached the target; {steps}; {evals}"
+    reached = f"{agg['target_reached']}/{agg['runs']} reached the target"
+    reached = "no target" if "target_return" in agg and agg["target_return"] is None else reached
+    return f"{reached}; {steps}; {evals}"

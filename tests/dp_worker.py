@@ -11,6 +11,8 @@
    `average_gradients`: both networks' weights (the notes go to torchrun's stderr, which the test saves).
 6. `train()` of ppo_cartpole_gpu.py with state each rank keeps its own of (given to `run.start` as `PerRank`, and,
    to see the note, as a plain tensor), straight through and stopped after iteration 2 then resumed: the weights.
+7. The recurrent recipe's copy of ppo_cartpole_gpu.py (a GRU policy, its hidden state `PerRank`), straight through
+   and stopped after iteration 2 then resumed: the weights.
 """
 
 import functools
@@ -28,6 +30,7 @@ import ppo_mujoco_brax as B  # noqa: E402  (torch only: JAX is imported when a B
 import reinforce as R  # noqa: E402
 import vpg as V  # noqa: E402
 from ladder.run import PerRank  # noqa: E402
+from recipes import recurrent_copy  # noqa: E402
 
 
 def fixed_batch(n: int = 64) -> P.Batch:
@@ -92,6 +95,29 @@ def with_a_second_network(args, average: bool) -> dict:
     return {name: nets[name].state_dict() for name in ("target", "predictor")}
 
 
+def stopped_and_resumed(module, args, stop_at: int):
+    """`module.train(args)`, with `stop_at` stopped after that iteration (a signal on every rank), then resumed."""
+    real_log = module.Run.log
+
+    def log(self, *a):
+        if stop_at and self.counters["iteration"] == stop_at - 1 and not self.args.resume:
+            self.stop_signal = 15  # as torchrun's SIGTERM to every rank
+        return real_log(self, *a)
+
+    module.Run.log = log
+    try:
+        if stop_at:
+            try:
+                module.train(args)
+            except KeyboardInterrupt:
+                pass
+            folder = os.path.join("runs", next(d for d in sorted(os.listdir("runs")) if f"__{args.exp_name}__" in d))
+            args = replace(args, resume=folder)
+        return module.train(args)
+    finally:
+        module.Run.log = real_log
+
+
 def with_state_per_rank(args, per_rank: bool, stop_at: int = 0):
     """`P.train(args)` with a running mean of this rank's own observations (as a recurrent policy's hidden state is
     this rank's own) that the loss reads, given to `run.start` as `PerRank` (else as a plain tensor); with `stop_at`,
@@ -104,8 +130,6 @@ def with_state_per_rank(args, per_rank: bool, stop_at: int = 0):
 
     def log(self, env_steps, stats, episodes, rollout):
         box["mean"].mul_(0.5).add_(rollout.obs.mean((0, 1)), alpha=0.5)  # differs by rank: their envs differ
-        if stop_at and self.counters["iteration"] == stop_at - 1 and not self.args.resume:
-            self.stop_signal = 15  # as torchrun's SIGTERM to every rank
         return real_log(self, env_steps, stats, episodes, rollout)
 
     def loss(agent, args, batch):
@@ -114,14 +138,7 @@ def with_state_per_rank(args, per_rank: bool, stop_at: int = 0):
 
     P.Run.start, P.Run.log, P.ppo_loss = start, log, loss
     try:
-        if stop_at:
-            try:
-                P.train(args)
-            except KeyboardInterrupt:
-                pass
-            folder = os.path.join("runs", next(d for d in sorted(os.listdir("runs")) if f"__{args.exp_name}__" in d))
-            args = replace(args, resume=folder)
-        return P.train(args)
+        return stopped_and_resumed(P, args, stop_at)
     finally:
         P.Run.start, P.Run.log, P.ppo_loss = real_start, real_log, real_loss
 
@@ -157,6 +174,12 @@ def main(out: str) -> None:
         name = f"per_rank{int(per_rank)}_stopped{stop_at}"
         agent = with_state_per_rank(replace(args, exp_name=name, checkpoint_interval=1), per_rank, stop_at)
         torch.save(agent.state_dict(), os.path.join(out, f"{name}_rank{rank}.pt"))
+    os.makedirs(f"rank{rank}")
+    recurrent = recurrent_copy(P.__file__, f"rank{rank}")  # on PositionsCart-v1, its default
+    for stop_at in (0, 2):
+        gru_args = recurrent.Args(**(vars(args) | {"env_id": "PositionsCart-v1", "exp_name": f"gru_stopped{stop_at}"}))
+        agent = stopped_and_resumed(recurrent, gru_args, stop_at)
+        torch.save(agent.state_dict(), os.path.join(out, f"gru_stopped{stop_at}_rank{rank}.pt"))
     for module, steps in ((V, 8), (R, 500)):  # VPG and REINFORCE run data parallel too
         args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
                            eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip

@@ -232,7 +232,7 @@ def test_collect_rollout_fills_each_envs_column_in_order_and_parks_in_async_mode
 def test_rollout_keeps_each_envs_steps_in_order_and_masks_reset_steps(async_envs, in_tmp, monkeypatch):
     num_envs, num_steps, period = 6, 16, 7
     monkeypatch.setattr(A, "make_env", fake_make_env(period))
-    monkeypatch.setattr(A, "is_atari_game", lambda env_id: True)
+    monkeypatch.setattr(A, "atari_game_rule", lambda env_id: (True, ""))
     rollouts, samples = [], []
     real_gae, real_loss = A.compute_gae, A.ppo_loss
 
@@ -282,7 +282,7 @@ def test_every_trained_row_starts_the_update_at_ratio_one(async_envs, in_tmp, mo
     carry more rows over: all were acted on before the update in between. Their stored log-probs must be
     the policy's at the start of the next update, like every other row's (the PPO ratio starts at 1)."""
     monkeypatch.setattr(A, "make_env", fake_make_env(period=5))
-    monkeypatch.setattr(A, "is_atari_game", lambda env_id: True)
+    monkeypatch.setattr(A, "atari_game_rule", lambda env_id: (True, ""))
     real_loss, calls, stale, rows = A.ppo_loss, [0], [], []
 
     def checked_loss(agent, args, batch):
@@ -373,8 +373,9 @@ def test_smoke_run_on_a_real_game(env_id, flags, tmp_path):
         (
             ["--env-id", "CartPole-v1"],
             None,
-            "--env-id must be an EnvPool Atari game (envpool.list_all_envs(): e.g. Pong-v5), got CartPole",
+            "--env-id must be an EnvPool Atari game (e.g. Pong-v5), got CartPole",
         ),
+        (["--env-id", "Breakot-v5"], None, "--env-id must be an EnvPool Atari game (did you mean Breakout-v5?)"),
         (["--num-envs", "0"], None, "--num-envs must be positive"),
         (["--async-envs", "--num-envs", "1"], None, "--num-envs must be positive (--async-envs: at least 2), got 1"),
         (["--video-interval", "-1"], None, "--video-interval must be >= 0"),

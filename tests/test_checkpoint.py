@@ -85,7 +85,9 @@ def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
     assert "Traceback" not in err and "interrupted by SIGTERM" in err
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     summary = read_json(os.path.join(folder, "summary.json"))
-    assert summary["status"] == "interrupted" and f"--resume {os.path.relpath(folder, tmp_path)}" in out
+    assert summary["status"] == "interrupted" and f"outputs in {os.path.relpath(folder, tmp_path)}" in out
+    command = f"python {os.path.join(ROOT, 'ppo_cartpole_gpu.py')} --resume {os.path.relpath(folder, tmp_path)}"
+    assert err.splitlines()[-1] == f"interrupted by SIGTERM, with a checkpoint; go on with: {command}", err  # whole
     saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
     counters = saved["counters"]
     assert counters["iteration"] == summary["iterations"] > 0 and counters["global_step"] == summary["total_env_steps"]
@@ -138,6 +140,8 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
         )
         summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
         assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
+        folder = os.path.relpath(run_dir(tmp_path, name), tmp_path)  # said, not made silently
+        assert f"note: --eval-only: evaluating {model} into a new run folder, {folder}" in result.stderr
         assert summary["eval_returns"] == trained["eval_returns"]
         video = os.path.join(run_dir(tmp_path, name), "videos", "evaluation.mp4")
         assert imageio_ffmpeg.count_frames_and_secs(video)[0] == max(summary["eval_returns"])

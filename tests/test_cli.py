@@ -3,6 +3,7 @@
 import glob
 import importlib
 import os
+import re
 import signal
 import sys
 
@@ -12,16 +13,20 @@ import torch
 
 import ppo_cartpole_gpu as P
 from conftest import (
+    ALL_SCRIPTS,
     ROOT,
     SCRIPTS,
     SUMMARY_KEYS,
     assert_one_error_line,
     call_main,
+    import_script,
     interrupt_after_an_iteration,
+    origin,
     read_json,
     run_script,
     scalar_tags,
 )
+from ladder.cli import parse_args
 from probes import Probe1
 
 COMMON_TAGS = {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -95,6 +100,8 @@ COMMON_BAD_FLAGS = [
     (["--env-id", "MountainCar-v0"], "invalid choice 'MountainCar-v0' for argument '--env-id'. Expected one of ("),
     (["--num-envs", "many"], "Error parsing --num-envs: invalid literal for int()"),
     (["--num-env", "3"], "Unrecognized options: --num-env, 3; did you mean --num-envs?"),
+    (["--lr", "0.001"], "Unrecognized options: --lr, 0.001; did you mean --learning-rate?"),  # (was: --anneal-lr,)
+    (["--no-progres-bar"], "Unrecognized options: --no-progres-bar; did you mean --no-progress-bar?"),
     (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
     (["--learning-rate", "nan"], "--learning-rate must be > 0"),
     (["--device", "tpu7"], "--device"),
@@ -133,6 +140,35 @@ def test_a_bad_flag_is_one_line_from_a_fresh_interpreter(script, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.quick
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_cuda_graph_is_on_by_default_where_a_script_records(script, monkeypatch):
+    """--cuda-graph is the default of the scripts that record an iteration on a GPU (on the CPU it changes nothing),
+    --no-cuda-graph turns it off; Atari's is off (its update is not recorded) and refused on."""
+    module = import_script(script)
+    parse = lambda *flags: (monkeypatch.setattr(sys, "argv", [script, *flags]), parse_args(module.Args))[1]
+    assert parse().cuda_graph == (origin(script) != "ppo_atari_envpool")
+    assert not parse("--no-cuda-graph").cuda_graph
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_without_a_terminal_progress_comes_as_plain_lines(seeds, in_tmp, monkeypatch):
+    """Under nohup or in CI (stderr not a terminal) the bar is off and a plain line replaces it, every 30 s (here at
+    every iteration): steps, SPS, time left, the recent return; with --num-seeds seed 1's, as the bar follows seed 1.
+    --no-progress-bar silences it. Before, Atari printed nothing in 15 minutes."""
+    monkeypatch.setattr(P.Run, "progress_line_seconds", 0.0)
+    flags = ["--num-envs", "32", "--total-timesteps", "2048", "--eval-episodes", "0", "--device", "cpu"]
+    result = call_main("ppo_cartpole_gpu", *flags, "--num-seeds", str(seeds), cwd=in_tmp)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "/2,048 steps, " in line]
+    assert len(lines) == 4, result.stderr  # an iteration is 32 x 16 steps
+    pattern = ("seed 1: " if seeds > 1 else "") + r"[\d,]+/2,048 steps, ([\d,]+ SPS, \d\d:\d\d left|compiling), "
+    assert all(re.fullmatch(pattern + r"return (nan|-?[\d.]+) \(last \d+\)", line) for line in lines), lines
+    assert "2,048/2,048 steps, " in lines[-1]
+    quiet = call_main("ppo_cartpole_gpu", *flags, "--no-progress-bar", "--exp-name", "quiet", cwd=in_tmp)
+    assert " steps, " not in quiet.stderr
+
+
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
     result = run_script("ppo_cartpole_gpu", "--device", "cuda", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and result.stderr.strip() == (

@@ -148,7 +148,8 @@ def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_p
                                           tmp_path, signal.SIGTERM)  # fmt: skip
     assert result.returncode == 143 and "Traceback" not in result.stderr, result.stderr
     group, dirs = folders(tmp_path, "ppo_cartpole_gpu")
-    assert f"go on with --resume {os.path.relpath(group, tmp_path)}" in result.stdout.splitlines()[-1]
+    command = f"python {os.path.join(ROOT, 'ppo_cartpole_gpu.py')} --resume {os.path.relpath(group, tmp_path)}"
+    assert result.stderr.splitlines()[-1] == f"interrupted by SIGTERM, with a checkpoint; go on with: {command}"
     counters = [torch.load(os.path.join(d, "checkpoint.pt"), weights_only=True)["counters"] for d in dirs]
     assert counters[0]["iteration"] == counters[1]["iteration"] > 0
 
@@ -254,3 +255,15 @@ def test_two_stacked_brax_seeds_stopped_and_resumed_equal_one_run(in_tmp, monkey
                   device="cpu", num_seeds=2)  # fmt: skip
     whole, _, _ = stacked_stopped_and_resumed(B, args, in_tmp, monkeypatch)
     assert not torch.equal(whole[0].actor_mean[0].weight, whole[1].actor_mean[0].weight)
+
+
+@pytest.mark.quick
+def test_the_aggregate_line_counts_runs_at_the_target_only_when_there_was_one():
+    """`--target-return None` ends with "no target", not "0/16 reached the target" (before)."""
+    from ladder.statistics import aggregate, line
+
+    run = dict(seed=1, env_id="CartPole-v1", status="completed", solved_at_step=None, eval_mean_return=None)
+    untargeted = [run | {"seed": seed, "args": {"target_return": None}} for seed in (1, 2)]
+    assert line(aggregate(untargeted)) == "no target; none solved; no evaluation"
+    targeted = [run | {"args": {"target_return": 475.0}}, run | {"seed": 2, "status": "target return reached"}]
+    assert line(aggregate(targeted)).startswith("1/2 reached the target; ")

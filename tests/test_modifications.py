@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from conftest import (
     COPY,
+    PATHS,
     ROOT,
     SCRIPTS,
     assert_close,
@@ -30,21 +31,23 @@ from conftest import (
     stop_with_sigterm_at,
     stopped_and_resumed,
 )
+from recipes import RECURRENT, recipe_diff, recurrent_copy
 
 LOSS = {"ppo_cartpole_gpu": "ppo_loss", "vpg": "vpg_loss", "reinforce": "reinforce_loss"}
 """The name of each script's loss function."""
 
 
-def three_ways(module, monkeypatch, tmp, envs=None):
+def three_ways(module, monkeypatch, tmp, envs=None, compile_too: bool = False):
     """The (changed) script trained for six iterations with --compile, eagerly, and stopped by SIGTERM after the third
     then resumed; returns the eager, compiled and resumed agents. `envs`: an env class to train on instead of the
-    CartPole. Compiled for PPO (and for a copy under --script) only, to spare CI's minutes: VPG and REINFORCE compile
+    CartPole. Compiled for PPO (for a copy under --script, and with `compile_too`) only, to spare CI's minutes: VPG
+    and REINFORCE compile
     the same `compile_phases` and `gradient_step` (test_layout.py checks the copies match), and test_compile.py compiles
     their losses."""
     args = small_args(module, eval_episodes=0)
     make = lambda: None if envs is None else envs(args.num_envs, "cpu", args.seed)
     fast = None
-    if origin(module.__name__) == "ppo_cartpole_gpu" or module.__name__ in COPY:
+    if origin(module.__name__) == "ppo_cartpole_gpu" or module.__name__ in COPY or compile_too:
         torch._dynamo.reset()  # each change compiles afresh: no test meets another's graphs or recompilation limit
         fast = module.train(replace(args, exp_name="compiled", compile=True), make())
     eager, resumed, _ = stopped_and_resumed(module, args, tmp, monkeypatch, make)
@@ -314,13 +317,17 @@ class Pendulum:
         self.episode_return, self.episode_length = self.episode_return * 0, self.episode_length * 0
         return self.observe(self.state), {}
 
-    def step(self, action: torch.Tensor, initial_states=None):
+    def move(self, action: torch.Tensor):
+        """One step of the pole: the new `self.state`, and (reward, terminated)."""
         angle, speed = self.state.unbind(-1)
         speed = speed + 0.05 * (4.0 * (action - 1) - 9.8 * angle.sin())
         self.state = torch.stack((angle + 0.05 * speed, speed), -1)
-        reward = self.state[:, 0].cos()
+        return self.state[:, 0].cos(), speed.abs() > 8
+
+    def step(self, action: torch.Tensor, initial_states=None):
+        reward, terminated = self.move(action)
         self.episode_return, self.episode_length = self.episode_return + reward, self.episode_length + 1
-        terminated, truncated = speed.abs() > 8, self.episode_length >= self.max_episode_steps
+        truncated = self.episode_length >= self.max_episode_steps
         info = {"final_obs": self.observe(self.state), "episode_return": self.episode_return,
                 "episode_length": self.episode_length}  # fmt: skip
         done = terminated | truncated
@@ -339,6 +346,145 @@ class Pendulum:
         self.state, self.episode_return, self.episode_length = (saved[key] for key in keys)
         self.generator.set_state(saved["generator"])
         return self.observe(self.state)
+
+
+# Continuous actions ---------------------------------------------------------------------------
+class ContinuousPendulum(Pendulum):
+    """Gymnasium's Pendulum-v1 in tensors: a torque in [-2, 2] swings a pole up; reward -(θ² + 0.1 θ'² + 0.001 u²),
+    θ wrapped to [-π, π); never terminates. Cut at 50 steps (gymnasium: 200), which keeps REINFORCE's test runs at six
+    iterations. `num_actions` is the action's dimension."""
+
+    obs_dim, num_actions, max_episode_steps = 3, 1, 50
+    max_speed, max_torque, dt, g = 8.0, 2.0, 0.05, 10.0  # mass and length 1
+
+    def observe(self, state: torch.Tensor) -> torch.Tensor:
+        angle, speed = state.unbind(-1)
+        return torch.stack((angle.cos(), angle.sin(), speed), -1)
+
+    def move(self, action: torch.Tensor):
+        angle, speed = self.state.unbind(-1)
+        torque = action.squeeze(-1).clamp(-self.max_torque, self.max_torque)
+        upright = (angle + math.pi) % (2 * math.pi) - math.pi
+        reward = -(upright.square() + 0.1 * speed.square() + 0.001 * torque.square())
+        speed = (speed + (1.5 * self.g * angle.sin() + 3.0 * torque) * self.dt).clamp(-self.max_speed, self.max_speed)
+        self.state = torch.stack((angle + speed * self.dt, speed), -1)
+        return reward, torch.zeros_like(reward, dtype=torch.bool)
+
+
+def gaussian_actions(module, monkeypatch):
+    """docs/modifying.md's continuous-actions recipe made in code: the script's Agent with its actor as the mean of a
+    diagonal Gaussian and a state-independent log std (CleanRL's ppo_continuous_action), standard normal noise drawn
+    before the rollout in place of the Gumbel noise, and float actions of the env's dimension in the rollout."""
+    Agent, Rollout, RolloutNoise = module.Agent, module.Rollout, module.RolloutNoise
+    real_empty = Rollout.empty
+
+    class GaussianAgent(Agent):
+        def __init__(self, obs_dim, action_dim):
+            super().__init__(obs_dim, action_dim)  # the actor (its head at std 0.01) is the mean
+            self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
+
+        def get_action(self, obs, noise=None):  # mean + σ ε, ε ~ N(0, 1); without noise: the mean
+            mean = self.actor(obs)
+            return mean if noise is None else mean + self.actor_logstd.exp() * noise
+
+        def forward(self, obs, action):  # log N(a; μ, σ²) and the entropy, summed over the action's dimensions
+            mean = self.actor(obs)
+            logstd = self.actor_logstd.expand_as(mean)
+            logp = -0.5 * ((action - mean) / logstd.exp()).square() - logstd - 0.5 * math.log(2 * math.pi)
+            entropy = (logstd + 0.5 + 0.5 * math.log(2 * math.pi)).sum(-1)
+            return logp.sum(-1), entropy, *((self.get_value(obs),) if hasattr(self, "critic") else ())
+
+    def draw(envs, num_steps):
+        normal = torch.randn(num_steps, envs.num_envs, envs.num_actions, device=envs.device)
+        return RolloutNoise(normal, envs.draw_initial_states(num_steps, envs.num_envs))
+
+    def empty(num_steps, num_envs, obs_dim, device):
+        actions = torch.zeros(num_steps, num_envs, ContinuousPendulum.num_actions, device=device)
+        return real_empty(num_steps, num_envs, obs_dim, device)._replace(actions=actions)
+
+    monkeypatch.setattr(module, "Agent", GaussianAgent)
+    monkeypatch.setattr(RolloutNoise, "draw", staticmethod(draw))
+    monkeypatch.setattr(Rollout, "empty", staticmethod(empty))
+
+
+def test_the_continuous_pendulum_moves_as_gymnasiums():
+    """ContinuousPendulum against gymnasium's Pendulum-v1, an episode of random torques (beyond ±2 too) from the same
+    state: the same observations and rewards within float32's tolerance, and cut at its last step."""
+    from gymnasium.envs.classic_control.pendulum import PendulumEnv
+
+    reference, envs = PendulumEnv(), ContinuousPendulum(1, seed=3)
+    reference.reset(seed=0)
+    reference.state = envs.state[0].double().numpy().copy()
+    torques = torch.rand(envs.max_episode_steps, 1, 1, generator=torch.Generator().manual_seed(1)) * 6 - 3
+    for step, torque in enumerate(torques, 1):
+        expected_obs, expected_reward, *_ = reference.step(torque[0].double().numpy())
+        obs, reward, terminated, truncated, info = envs.step(torque)
+        obs = info["final_obs"]  # (at the cut, `obs` is a fresh episode's)
+        assert_close(obs[0], torch.tensor(expected_obs, dtype=torch.float32), "obs", atol=1e-4, rtol=1e-4)
+        assert_close(reward[0], torch.tensor(expected_reward, dtype=torch.float32), "reward", atol=1e-4, rtol=1e-4)
+        assert not terminated.any() and truncated.tolist() == [step == envs.max_episode_steps]
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_continuous_actions_train_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """A Gaussian policy on the continuous Pendulum (the recipe): --compile within float tolerance of eager, stopped
+    and resumed as one run. Before, its compiled rollout took minutes (inductor's CPU bound of 50 ops inlined the
+    pendulum's recurrence step after step: 435 s at 12 steps); `ladder.compile.compiled` sets it to the GPU's 30."""
+    module = import_script(name)
+    gaussian_actions(module, monkeypatch)
+    eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp, envs=ContinuousPendulum)
+    assert eager.actor_logstd.shape == (1,) and not torch.equal(eager.actor_logstd, torch.zeros(1))
+    assert_same_training(eager, compiled, resumed)
+
+
+# A recurrent policy ---------------------------------------------------------------------------
+def recurrent(name: str, folder):
+    """The copy of script `name` with the recurrent recipe made (tests/recipes.py); skipped for a copy under --script
+    whose lines the recipe does not find."""
+    script_file = PATHS.get(name, os.path.join(ROOT, name + ".py"))
+    try:
+        return recurrent_copy(script_file, str(folder))
+    except AssertionError as e:
+        if name in COPY:
+            pytest.skip(str(e))
+        raise
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", [name for name in SCRIPTS if origin(name) != "reinforce"])
+def test_a_recurrent_policy_trains_alike_compiled_resumed_and_stacked(name, in_tmp, monkeypatch):
+    """The recipe's GRU policy on the CartPole without velocities, its hidden state a module given to `run.start` as
+    `PerRank`: --compile within float tolerance of eager, stopped and resumed as one run (the hidden state in the
+    checkpoint), two stacked seeds (each one's memory its own in the stacked call) stopped and resumed as the two
+    straight through, and the greedy evaluation carrying its own hidden state. Before, a module given to `run.start`
+    was not stacked: the stacked call wrote into seed 1's memory and stopped."""
+    from test_many_seeds import stacked_stopped_and_resumed
+
+    module = recurrent(name, in_tmp)
+    envs = lambda num_envs, device, seed: module.PositionsCart(num_envs, device, seed)
+    with pytest.MonkeyPatch.context() as patch:  # (its SIGTERM undone after)
+        eager, compiled, resumed = three_ways(module, patch, in_tmp, envs=envs, compile_too=True)
+    assert isinstance(eager.actor[0], module.Recall) and eager.actor[0].gru.input_size == 2
+    assert_same_training(eager, compiled, resumed)
+    (in_tmp / "stacked").mkdir()
+    monkeypatch.chdir(in_tmp / "stacked")
+    args = small_args(module, num_seeds=2, eval_episodes=0)
+    stacked, _, _ = stacked_stopped_and_resumed(module, args, in_tmp / "stacked", monkeypatch)
+    assert not torch.equal(stacked[0].actor[0].gru.weight_hh, stacked[1].actor[0].gru.weight_hh)
+    module.train(small_args(module, eval_episodes=2, total_timesteps=16 * 32, exp_name="evaluated"))
+    summary = read_json(os.path.join(run_dir(in_tmp / "stacked", "evaluated"), "summary.json"))
+    assert len(summary["eval_returns"]) == 2
+
+
+@pytest.mark.quick
+def test_the_docs_show_the_recurrent_recipe_as_the_test_makes_it():
+    """docs/modifying.md's diff of the recurrent recipe is the one tests/recipes.py makes to ppo_cartpole_gpu.py, so
+    the recipe a reader copies is the one tested in every mode."""
+    with open(os.path.join(ROOT, "docs", "modifying.md")) as f:
+        docs = f.read()
+    shown = docs.split("```diff\n", 1)[1].split("\n```", 1)[0]
+    assert shown == recipe_diff(os.path.join(ROOT, "ppo_cartpole_gpu.py"), RECURRENT)
 
 
 @pytest.mark.behaviour
@@ -670,11 +816,12 @@ def test_a_failing_test_that_compiled_shows_no_torch_debug_log(tmp_path):
 # Many seeds -----------------------------------------------------------------------------------
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
-@pytest.mark.parametrize("change", ["buffer", "env", "dropout"])
+@pytest.mark.parametrize("change", ["buffer", "env", "dropout", "continuous"])
 def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name, in_tmp, monkeypatch):
     """With --num-seeds 2, a buffer the loss reads and train() anneals, another env (in `make_envs`, where a copy
-    adds it) and dropout each stay each seed's own in the stacked call, and two seeds stopped by SIGTERM and resumed
-    train as the two straight through: the same scalars and weights."""
+    adds it), dropout, and continuous actions (a Gaussian policy on the continuous Pendulum) each stay each seed's own
+    in the stacked call, and two seeds stopped by SIGTERM and resumed train as the two straight through: the same
+    scalars and weights."""
     from test_many_seeds import stacked_stopped_and_resumed
 
     if change == "dropout" and origin(name) == "reinforce":  # docs/modifying.md#many-seeds: its seeds are not in step
@@ -682,15 +829,20 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
     module = import_script(name)
     if change == "buffer":
         annealed_buffer(module, monkeypatch)
-    if change == "env":
-        monkeypatch.setattr(module, "make_envs", lambda args, device, envs=None, rank=0: Pendulum(
+    if change in ("env", "continuous"):
+        envs = Pendulum if change == "env" else ContinuousPendulum
+        monkeypatch.setattr(module, "make_envs", lambda args, device, _=None, rank=0: envs(
             args.num_envs, device, args.seed + rank))  # fmt: skip
+    if change == "continuous":
+        gaussian_actions(module, monkeypatch)
     if change == "dropout":
         monkeypatch.setattr(module, "Agent", with_dropout(module))
     whole, resumed, _ = stacked_stopped_and_resumed(module, small_args(module, num_seeds=2, eval_episodes=0), in_tmp,
                                                     monkeypatch)  # fmt: skip
     if change == "env":
         assert whole[0].actor[0].in_features == Pendulum.obs_dim
+    if change == "continuous":
+        assert not torch.equal(whole[0].actor_logstd, whole[1].actor_logstd)
     if change == "buffer":
         assert all(agent.ent_coef < 0.05 for agent in whole)  # annealed, each seed's own (compared in the helper)
     assert not torch.equal(whole[0].actor[0].weight, whole[1].actor[0].weight)

@@ -1,0 +1,161 @@
+"""docs/modifying.md's recurrent-policy recipe as the edits it makes to a copy of ppo_cartpole_gpu.py (or vpg.py):
+each edit is (the line(s) of the script, what the copy has instead). `recurrent_copy` writes the copy and imports it;
+tests/test_modifications.py trains it in every mode and tests/dp_worker.py under torchrun, and a test checks that
+the docs show these edits as they are here."""
+
+# ruff: noqa: E501 (the edits quote the script's lines inside string literals, at their indentation)
+import difflib
+import importlib.util
+import os
+import sys
+
+RECURRENT = [
+    (
+        "from ladder.run import Run\n",
+        "from ladder.run import PerRank, Run\n",
+    ),
+    (
+        'env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"',
+        'env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1", "PositionsCart-v1"] = "PositionsCart-v1"',
+    ),
+    (
+        "# Agent ----------------------------------------------------------------------------------------\n",
+        '''class PositionsCart(CartPole):
+    """CartPole-v1 without the velocities: the observation is (x, θ), so the policy must remember to balance."""
+
+    obs_dim = 2
+
+    def reset(self):
+        return super().reset()[0][:, ::2], {}
+
+    def step(self, action: torch.Tensor, initial_states: Optional[torch.Tensor] = None):
+        obs, reward, terminated, truncated, info = super().step(action, initial_states)
+        return obs[:, ::2], reward, terminated, truncated, info | {"final_obs": info["final_obs"][:, ::2]}
+
+    def load_state_dict(self, saved: dict) -> torch.Tensor:
+        return super().load_state_dict(saved)[:, ::2]
+
+
+# Agent ----------------------------------------------------------------------------------------
+HIDDEN_SIZE = 16  # each network's GRU state
+
+
+class Recall(nn.Module):
+    """h_t = GRU(o_t, h_{t-1}), from the inputs (o_t, then both networks' h_{t-1}): the slice `hidden` is its own."""
+
+    def __init__(self, obs_dim: int, hidden: slice):
+        super().__init__()
+        self.obs_dim, self.hidden, self.gru = obs_dim, hidden, nn.GRUCell(obs_dim, hidden.stop - hidden.start)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.gru(inputs[..., : self.obs_dim], inputs[..., self.hidden])
+
+
+class Memory(nn.Module):
+    """Each env's h_{t-1}, both networks', between steps and iterations; each torchrun rank's own (as its envs)."""
+
+    def __init__(self, num_envs: int, device: torch.device):
+        super().__init__()
+        self.register_buffer("hidden", torch.zeros(num_envs, 2 * HIDDEN_SIZE, device=device))
+''',
+    ),
+    (
+        "        self.critic, self.actor = mlp(obs_dim, 1, out_std=1.0), mlp(obs_dim, num_actions, out_std=0.01)\n",
+        """        h, size = obs_dim + HIDDEN_SIZE, HIDDEN_SIZE  # the inputs: o_t, the critic's h_{t-1}, the actor's
+        self.critic = nn.Sequential(Recall(obs_dim, slice(obs_dim, h)), mlp(size, 1, out_std=1.0))
+        self.actor = nn.Sequential(Recall(obs_dim, slice(h, h + size)), mlp(size, num_actions, out_std=0.01))
+
+    def remember(self, inputs: torch.Tensor) -> torch.Tensor:
+        \"\"\"Both networks' h_t: what the next step's inputs carry.\"\"\"
+        return torch.cat((self.critic[0](inputs), self.actor[0](inputs)), -1)
+""",
+    ),
+    (
+        "def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noise: RolloutNoise) -> torch.Tensor:",
+        "def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noise: RolloutNoise, memory):",
+    ),
+    (
+        """            rollout.obs[t] = obs
+            action = agent.get_action(obs, noise.gumbel[t])
+""",
+        """            obs = torch.cat((obs, memory.hidden), -1)  # the policy's inputs: o_t and h_{t-1}
+            rollout.obs[t] = obs
+            action = agent.get_action(obs, noise.gumbel[t])
+            hidden = agent.remember(obs)
+""",
+    ),
+    (
+        """            rollout.dones[t], rollout.final_obs[t] = terminated | truncated, info["final_obs"]
+""",
+        """            rollout.dones[t], rollout.final_obs[t] = terminated | truncated, torch.cat((info["final_obs"], hidden), -1)
+            memory.hidden.copy_(hidden.masked_fill((terminated | truncated).unsqueeze(-1), 0.0))  # a new episode: 0
+""",
+    ),
+    (
+        "        rollout = Rollout.empty(T, N, envs.obs_dim, device)\n",
+        "        rollout, memory = Rollout.empty(T, N, envs.obs_dim + 2 * HIDDEN_SIZE, device), Memory(N, device)\n",
+    ),
+    (
+        "* run.world_size, envs.reset()[0])\n",
+        "* run.world_size, envs.reset()[0],\n                        memory=PerRank(memory))  # each rank's own, saved per rank\n",
+    ),
+    (
+        "obs = collect(agent, envs, obs, rollout, noise)  # has one); `envs` and `agent` hold the state it changes",
+        "obs = collect(agent, envs, obs, rollout, noise, memory)  # has one); envs, agent, memory: what it changes",
+    ),
+    (
+        """        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]""",
+        """        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart,
+                     "PositionsCart-v1": PositionsCart}[args.env_id]""",
+    ),
+    (
+        """    returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
+""",
+        """    returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
+    hidden = torch.zeros(envs.num_envs, 2 * HIDDEN_SIZE, device=envs.device)
+""",
+    ),
+    (
+        """            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise
+""",
+        """            inputs = torch.cat((obs, hidden), -1)
+            obs, _, terminated, truncated, info = envs.step(agent.get_action(inputs))  # greedy: no Gumbel noise
+            hidden = agent.remember(inputs)
+""",
+    ),
+]
+"""The recurrent recipe: a GRU in front of the actor and of the critic, trained with one step of backpropagation
+through time (the stored h_{t-1} is an input, as R2D2 stores the recurrent state), on a CartPole without
+velocities."""
+
+
+def apply(source: str, edits: list, name: str) -> str:
+    """`source` with every edit made; an edit whose line the source lacks fails with that line."""
+    for old, new in edits:
+        assert source.count(old) == 1, f"{name} has not exactly once the line the recipe changes: {old.strip()}"
+        source = source.replace(old, new)
+    return source
+
+
+def recurrent_copy(script_file: str, folder: str):
+    """The recipe applied to `script_file`, written into `folder` as recurrent_<name>.py and imported."""
+    name = "recurrent_" + os.path.basename(script_file).removesuffix(".py")
+    path = os.path.join(folder, name + ".py")
+    with open(script_file) as f:
+        source = apply(f.read(), RECURRENT, os.path.basename(script_file))
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def recipe_diff(script_file: str, edits: list) -> str:
+    """The edits as a diff of `script_file` without context or line numbers, as docs/modifying.md shows it."""
+    with open(script_file) as f:
+        source = f.read()
+    new = apply(source, edits, os.path.basename(script_file))
+    lines = difflib.unified_diff(source.splitlines(), new.splitlines(), lineterm="", n=0)
+    return "\n".join("@@" if line.startswith("@@") else line for line in list(lines)[2:])
