@@ -2,6 +2,7 @@ import contextlib
 import difflib
 import glob
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -62,11 +63,17 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """--script: only the tests marked `behaviour`."""
+    """--script: only the tests marked `behaviour`. A CartPole-only install (requirements.txt alone): the Atari and
+    Brax tests skipped, naming the extra to install."""
     if COPY:
         keep = [item for item in items if item.get_closest_marker("behaviour")]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+    extras = {"atari": "envpool", "brax": "brax"}
+    for extra in [extra for extra, package in extras.items() if importlib.util.find_spec(package) is None]:
+        skip = pytest.mark.skip(reason=f"{extras[extra]} is not installed: pip install -r requirements-{extra}.txt")
+        for item in [item for item in items if extra in item.nodeid.lower()]:
+            item.add_marker(skip)
 
 
 def origin(name: str) -> str:

@@ -84,6 +84,7 @@ def test_the_permutation_test_of_many_seeds_matches_exact_enumeration():
     (ties and never-solved runs, at inf, included), within the Monte Carlo error of 100,000 shuffles."""
     import itertools
 
+    pytest.importorskip("jax", reason="many_seeds.py holds the JAX peer: pip install -r requirements-brax.txt")
     import many_seeds
 
     for a, b in [([1.0, 2, 3, 4], [5.0, 6, 7, 8]), ([1.0, 5, 3, 7], [2.0, 6, 4, 8]),
