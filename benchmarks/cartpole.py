@@ -73,7 +73,8 @@ class BenchArgs:
     peer_sizes: list[int] = field(default_factory=lambda: [128, 4096])
     """--num-envs of the eager / --compile / JAX-peer rows (16 steps each, the other flags default)"""
     peer_seeds: list[int] = field(default_factory=lambda: [1, 2])
-    """seeds of the eager / --compile / JAX-peer time-to-solve runs (whole processes, cold caches)"""
+    """seeds of the eager / --compile / JAX-peer runs, a whole process each with cold caches: the SPS rows (mean and
+    range) and the time-to-solve rows"""
     solve_up_to: int = 1 << 30
     """time-to-solve rows only for --peer-sizes up to this many envs (SPS rows for all)"""
     skip_peer: bool = False
@@ -310,7 +311,8 @@ def peer_rows(bench: BenchArgs) -> list[tuple]:
         sps = {mode: [peer_run(mode, n, seed, bench.device, iterations)["sps"] for seed in bench.peer_seeds]
                for mode in modes}  # fmt: skip
         ratio = " / ".join(f"{statistics.mean(sps[m]) / statistics.mean(sps['JAX peer']):.2f}x" for m in compiled)
-        label = f"training SPS after compilation, {n}x16 ({iterations} iterations), seeds {bench.peer_seeds}"
+        seeds = ",".join(map(str, bench.peer_seeds))
+        label = f"training SPS after compilation, {n}x16 ({iterations} iterations), seeds {seeds}"
         rows.append((label, *(spread(sps[m], ",.0f") for m in modes), ratio))
         progress(rows[-1])
         if n > bench.solve_up_to:
@@ -321,7 +323,7 @@ def peer_rows(bench: BenchArgs) -> list[tuple]:
             ok = all(None not in v for v in means.values())
             ratio = " / ".join(f"{statistics.mean(means['JAX peer']) / statistics.mean(means[m]):.2f}x"
                                for m in compiled) if ok else ""  # fmt: skip
-            rows.append((f"time-to-solve (475), {label}, s, {n}x16, seeds {','.join(map(str, bench.peer_seeds))}",
+            rows.append((f"time-to-solve (475), {label}, s, {n}x16, seeds {seeds}",
                          *(spread(means[m], ".1f") for m in modes), ratio))  # fmt: skip
             progress(rows[-1])
     return rows
