@@ -308,12 +308,14 @@ def peer_rows(bench: BenchArgs) -> list[tuple]:
     for n in bench.peer_sizes:
         iterations = 60 if n <= 512 else 15
         # a run per seed: the mean and range of their SPS, the ratio of the means
-        sps = {mode: [peer_run(mode, n, seed, bench.device, iterations)["sps"] for seed in bench.peer_seeds]
-               for mode in modes}  # fmt: skip
+        sps = {
+            mode: [peer_run(mode, n, seed, bench.device, iterations)["sps"] for seed in bench.peer_seeds]
+            for mode in modes
+        }
         ratio = " / ".join(f"{statistics.mean(sps[m]) / statistics.mean(sps['JAX peer']):.2f}x" for m in compiled)
         seeds = ",".join(map(str, bench.peer_seeds))
-        label = f"training SPS after compilation, {n}x16 ({iterations} iterations), seeds {seeds}"
-        rows.append((label, *(spread(sps[m], ",.0f") for m in modes), ratio))
+        sps_label = f"training SPS after compilation, {n}x16 ({iterations} iterations), seeds {seeds}"
+        rows.append((sps_label, *(spread(sps[m], ",.0f") for m in modes), ratio))
         progress(rows[-1])
         if n > bench.solve_up_to:
             continue
