@@ -8,6 +8,7 @@ K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tab
     python benchmarks/many_seeds.py --scaling 1 4 16 64 --steps 100000 --plot docs/many_seeds.png  # time per seed
     python benchmarks/many_seeds.py --brax 8 --steps 100000            # Brax inverted_pendulum, 8 seeds
     python benchmarks/many_seeds.py --statistics 16   # the defaults to the target: --num-seeds 16 learns as 16 runs?
+    python benchmarks/many_seeds.py --profile 16 --steps 100000  # where --num-seeds 16's time goes, by part and op
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class ManySeedsArgs:
     statistics: int = 0
     """instead: this many seeds at the defaults (to the target), a process each against --num-seeds: do they learn
     alike? Their aggregates, and a permutation test of their steps to solve"""
+    profile: int = 0
+    """instead: where the time of `--num-seeds` this many goes (--steps each, in this process, the default device):
+    the stacked calls, the stacking around them, the seeds' Run.log, the rest; and the top ops of one stacked call"""
 
 
 def timed(commands: list[list[str]]) -> tuple[float, float]:
@@ -120,6 +124,84 @@ def statistics(k: int, py: str, script: str) -> None:
     print(f"\nsteps to solve, apart against stacked: two-sided permutation p = {p:.2f} (mean ranks, 100,000 shuffles)")
 
 
+def profile(k: int, steps: int) -> None:
+    """--num-seeds K timed by part: the stacked calls (the vmapped iteration, each seed's device work), the stacking of
+    the seeds' tensors around them, each seed's `Run.log`, and the rest (each seed's Python between calls, the turns
+    of their threads, the set-up); then the ops that took the most time in the third stacked call (torch.profiler)."""
+    import functools
+
+    from torch.profiler import profile as torch_profile
+
+    import ladder.run
+    import ladder.seeds
+    import ppo_cartpole_gpu as P
+
+    args = P.Args(num_seeds=k, total_timesteps=steps, target_return=None, progress_bar=False, eval_episodes=0)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None  # time the device's work too
+    seconds, calls, ops = {}, [0], []
+
+    def timed(name: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sync()
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    def vmapped(seeds, *a):
+        unprofiled = vmapped_as_written(seeds, *a)
+        call = timed("calls", unprofiled)
+
+        def counted(*inputs):
+            calls[0] += 1
+            if calls[0] != 3:  # the third: warm (a CUDA graph recorded, a compiled graph built); it and the
+                return call(*inputs)  # profiler's own cost are left out of the times
+            start = time.perf_counter()
+            with torch_profile() as prof:
+                out = unprofiled(*inputs)
+                sync()
+            ops.append(prof)
+            seconds["profiled"] = time.perf_counter() - start
+            return out
+
+        return counted
+
+    vmapped_as_written = ladder.seeds.Seeds.vmapped
+    ladder.seeds.Seeds.vmapped = vmapped
+    ladder.seeds.Seeds.call_stacked = timed("stacked", ladder.seeds.Seeds.call_stacked)
+    ladder.run.Run.log = timed("log", ladder.run.Run.log)
+    start = time.perf_counter()
+    ladder.seeds.train_seeds(P.train, args)
+    profiled = seconds.get("profiled", 0.0)
+    wall, n = time.perf_counter() - start - profiled, calls[0] - bool(profiled)
+    parts = {
+        "the stacked calls (the vmapped iteration)": seconds["calls"],
+        "stacking the seeds' tensors around them": seconds["stacked"] - seconds["calls"] - profiled,
+        f"the seeds' `Run.log` ({k} per iteration)": seconds["log"],
+        "the rest (each seed's Python, the threads' turns, set-up)": wall
+        + profiled
+        - seconds["stacked"]
+        - seconds["log"],
+    }
+    title = f"`--num-seeds {k}`, {steps:,} steps each, {args.device}: {n} iterations (the profiled one left out)"
+    print(f"\n| {title} | s | share | ms per iteration |\n|---|---|---|---|")
+    for part, s in {"the whole run": wall, **parts}.items():
+        print(f"| {part} | {s:.1f} | {100 * s / wall:.0f}% | {1000 * s / n:.1f} |")
+    if ops:
+        gpu = args.device.startswith("cuda")
+        key = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+        averages = ops[0].key_averages()
+        total, count = sum(map(key, averages)), sum(e.count for e in averages)
+        print(f"\nThe third stacked call: {count:,} op calls, {total / 1e3:.0f} ms of {'GPU' if gpu else 'CPU'} time")
+        print("\n| op | ms | calls |\n|---|---|---|")
+        for e in sorted(averages, key=key, reverse=True)[:12]:
+            print(f"| `{e.key}` | {key(e) / 1e3:.1f} | {e.count} |")
+
+
 def main() -> None:
     bench = tyro.cli(ManySeedsArgs)
     k, steps, py = bench.seeds, str(bench.steps), sys.executable
@@ -129,6 +211,8 @@ def main() -> None:
     print(f"`python {' '.join(sys.argv)}` on {machine(jax)}, {time.strftime('%Y-%m-%d')}", file=sys.stderr)
     if bench.statistics:
         statistics(bench.statistics, py, script)
+    elif bench.profile:
+        profile(bench.profile, bench.steps)
     elif bench.brax:
         k = bench.brax
         brax = [py, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", "inverted_pendulum", "--total-timesteps",

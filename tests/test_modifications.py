@@ -455,10 +455,10 @@ def recurrent(name: str, folder):
 @pytest.mark.parametrize("name", [name for name in SCRIPTS if origin(name) != "reinforce"])
 def test_a_recurrent_policy_trains_alike_compiled_resumed_and_stacked(name, in_tmp, monkeypatch):
     """The recipe's GRU policy on the CartPole without velocities, its hidden state a module given to `run.start` as
-    `PerRank`: --compile within float tolerance of eager (PPO's, as `three_ways` says), stopped and resumed as one run (the hidden state in the
-    checkpoint), two stacked seeds (each one's memory its own in the stacked call) stopped and resumed as the two
-    straight through, and the greedy evaluation carrying its own hidden state. Before, a module given to `run.start`
-    was not stacked: the stacked call wrote into seed 1's memory and stopped."""
+    `PerRank`: --compile within float tolerance of eager (PPO's, as `three_ways` says), stopped and resumed as one
+    run (the hidden state in the checkpoint), two stacked seeds (each one's memory its own in the stacked call)
+    stopped and resumed as the two straight through, and the greedy evaluation carrying its own hidden state.
+    Before, a module given to `run.start` was not stacked: the stacked call wrote into seed 1's memory and stopped."""
     from test_many_seeds import stacked_stopped_and_resumed
 
     module = recurrent(name, in_tmp)
