@@ -140,7 +140,7 @@ def profile(k: int, steps: int) -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None  # time the device's work too
     seconds, calls, ops = {}, [0], []
 
-    def timed(name: str, fn):
+    def clocked(name: str, fn):  # its seconds added up under `name`
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             start = time.perf_counter()
@@ -154,7 +154,7 @@ def profile(k: int, steps: int) -> None:
 
     def vmapped(seeds, *a):
         unprofiled = vmapped_as_written(seeds, *a)
-        call = timed("calls", unprofiled)
+        call = clocked("calls", unprofiled)
 
         def counted(*inputs):
             calls[0] += 1
@@ -172,8 +172,8 @@ def profile(k: int, steps: int) -> None:
 
     vmapped_as_written = ladder.seeds.Seeds.vmapped
     ladder.seeds.Seeds.vmapped = vmapped
-    ladder.seeds.Seeds.call_stacked = timed("stacked", ladder.seeds.Seeds.call_stacked)
-    ladder.run.Run.log = timed("log", ladder.run.Run.log)
+    ladder.seeds.Seeds.call_stacked = clocked("stacked", ladder.seeds.Seeds.call_stacked)
+    ladder.run.Run.log = clocked("log", ladder.run.Run.log)
     start = time.perf_counter()
     ladder.seeds.train_seeds(P.train, args)
     profiled = seconds.get("profiled", 0.0)
