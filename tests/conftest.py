@@ -62,6 +62,14 @@ def pytest_report_header(config):
     return [f"testing {PATHS[name]} as a copy of {source}.py" for name, source in COPY.items()]
 
 
+EXTRAS = {"atari": "envpool", "brax": "brax"}
+"""Each optional requirements file (requirements-<extra>.txt) and the package that shows it is installed."""
+
+
+def missing_extras() -> list[str]:
+    return [extra for extra, package in EXTRAS.items() if importlib.util.find_spec(package) is None]
+
+
 def pytest_collection_modifyitems(config, items):
     """--script: only the tests marked `behaviour`. A CartPole-only install (requirements.txt alone): the Atari and
     Brax tests skipped, naming the extra to install."""
@@ -69,9 +77,8 @@ def pytest_collection_modifyitems(config, items):
         keep = [item for item in items if item.get_closest_marker("behaviour")]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
-    extras = {"atari": "envpool", "brax": "brax"}
-    for extra in [extra for extra, package in extras.items() if importlib.util.find_spec(package) is None]:
-        skip = pytest.mark.skip(reason=f"{extras[extra]} is not installed: pip install -r requirements-{extra}.txt")
+    for extra in missing_extras():
+        skip = pytest.mark.skip(reason=f"{EXTRAS[extra]} is not installed: pip install -r requirements-{extra}.txt")
         for item in [item for item in items if extra in item.nodeid.lower()]:
             item.add_marker(skip)
 
@@ -99,7 +106,7 @@ def import_script(name: str):
         try:
             module.import_brax()
         except module.UsageError:
-            pytest.skip("brax is not installed", allow_module_level=True)
+            pytest.skip("brax is not installed: pip install -r requirements-brax.txt", allow_module_level=True)
     return module
 
 
