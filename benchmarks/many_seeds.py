@@ -137,7 +137,8 @@ def profile(k: int, steps: int) -> None:
     import ppo_cartpole_gpu as P
 
     args = P.Args(num_seeds=k, total_timesteps=steps, target_return=None, progress_bar=False, eval_episodes=0)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None  # time the device's work too
+    gpu = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else lambda: None  # time the device's work too
     seconds, calls, ops = {}, [0], []
 
     def clocked(name: str, fn):  # its seconds added up under `name`
@@ -192,7 +193,6 @@ def profile(k: int, steps: int) -> None:
     for part, s in {"the whole run": wall, **parts}.items():
         print(f"| {part} | {s:.1f} | {100 * s / wall:.0f}% | {1000 * s / n:.1f} |")
     if ops:
-        gpu = args.device.startswith("cuda")
         key = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
         averages = ops[0].key_averages()
         total, count = sum(map(key, averages)), sum(e.count for e in averages)

@@ -70,6 +70,11 @@ def missing_extras() -> list[str]:
     return [extra for extra, package in EXTRAS.items() if importlib.util.find_spec(package) is None]
 
 
+def install_hint(extra: str) -> str:
+    """Why an extra's test is skipped, and the pip line that installs it."""
+    return f"{EXTRAS[extra]} is not installed: pip install -r requirements-{extra}.txt"
+
+
 def pytest_collection_modifyitems(config, items):
     """--script: only the tests marked `behaviour`. A CartPole-only install (requirements.txt alone): the Atari and
     Brax tests skipped, naming the extra to install."""
@@ -78,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
     for extra in missing_extras():
-        skip = pytest.mark.skip(reason=f"{EXTRAS[extra]} is not installed: pip install -r requirements-{extra}.txt")
+        skip = pytest.mark.skip(reason=install_hint(extra))
         for item in [item for item in items if extra in item.nodeid.lower()]:
             item.add_marker(skip)
 
@@ -106,7 +111,7 @@ def import_script(name: str):
         try:
             module.import_brax()
         except module.UsageError:
-            pytest.skip("brax is not installed: pip install -r requirements-brax.txt", allow_module_level=True)
+            pytest.skip(install_hint("brax"), allow_module_level=True)
     return module
 
 

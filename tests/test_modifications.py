@@ -37,17 +37,19 @@ LOSS = {"ppo_cartpole_gpu": "ppo_loss", "vpg": "vpg_loss", "reinforce": "reinfor
 """The name of each script's loss function."""
 
 
-def three_ways(module, monkeypatch, tmp, envs=None, compile_too: bool = False):
+def three_ways(module, monkeypatch, tmp, envs=None, script: str = ""):
     """The (changed) script trained for six iterations with --compile, eagerly, and stopped by SIGTERM after the third
     then resumed; returns the eager, compiled and resumed agents. `envs`: an env class to train on instead of the
-    CartPole. Compiled for PPO (for a copy under --script, and with `compile_too`) only, to spare CI's minutes: VPG
+    CartPole; `script`: the script the module was made from, when its name is not it (a recipe's copy). Compiled for
+    PPO (and for a copy under --script) only, to spare CI's minutes: VPG
     and REINFORCE compile
     the same `compile_phases` and `gradient_step` (test_layout.py checks the copies match), and test_compile.py compiles
     their losses."""
     args = small_args(module, eval_episodes=0)
     make = lambda: None if envs is None else envs(args.num_envs, "cpu", args.seed)
     fast = None
-    if origin(module.__name__) == "ppo_cartpole_gpu" or module.__name__ in COPY or compile_too:
+    name = script or module.__name__
+    if origin(name) == "ppo_cartpole_gpu" or name in COPY:
         torch._dynamo.reset()  # each change compiles afresh: no test meets another's graphs or recompilation limit
         fast = module.train(replace(args, exp_name="compiled", compile=True), make())
     eager, resumed, _ = stopped_and_resumed(module, args, tmp, monkeypatch, make)
@@ -464,8 +466,7 @@ def test_a_recurrent_policy_trains_alike_compiled_resumed_and_stacked(name, in_t
     module = recurrent(name, in_tmp)
     envs = lambda num_envs, device, seed: module.PositionsCart(num_envs, device, seed)
     with pytest.MonkeyPatch.context() as patch:  # (its SIGTERM undone after)
-        as_ppo = origin(name) == "ppo_cartpole_gpu" or name in COPY  # (the copy's module name is not the script's)
-        eager, compiled, resumed = three_ways(module, patch, in_tmp, envs=envs, compile_too=as_ppo)
+        eager, compiled, resumed = three_ways(module, patch, in_tmp, envs=envs, script=name)
     assert isinstance(eager.actor[0], module.Recall) and eager.actor[0].gru.input_size == 2
     assert_same_training(eager, compiled, resumed)
     (in_tmp / "stacked").mkdir()
