@@ -90,8 +90,6 @@ class Run(contextlib.AbstractContextManager):
             broadcast_from_rank_0(self)
         if self.rank == 0:
             self.open_outputs(total_steps)
-        if a.compile and total_steps > self.counters["global_step"]:
-            self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
         if a.eval_only:  # no training: a folder of its own, the model's left as it is
             self.note(f"--eval-only: evaluating {a.load_model} into a new run folder, {self.dir}")
         elif total_steps < 0.999 * a.total_timesteps:  # not for 5M -> 4,999,168
@@ -99,6 +97,8 @@ class Run(contextlib.AbstractContextManager):
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         self.first_iteration, self.saved = self.counters["iteration"] + 1, None  # the restored tensors are in place
+        if a.compile and total_steps > self.counters["global_step"]:  # said once its handlers are in place
+            self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
         self.setup_seconds, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         return obs
 
