@@ -406,10 +406,10 @@ def train(args: Args, envs=None) -> Agent:
         # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
-        rollout = Rollout.empty(T, N, envs.obs_dim, device)
         # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes in
         # by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a state_dict()
         obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
+        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)  # --num-seeds K: [K, ...], each seed's
         # the phases as written; --compile makes each one graph, the gradient step with Adam written out (which
         # --num-seeds needs too: vmap cannot run backward()), built on the restored state (ladder/compile.py)
         collect, prepare = collect_rollout, make_batch
@@ -428,7 +428,7 @@ def train(args: Args, envs=None) -> Agent:
         for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
-            obs, stats = one_iteration(obs, RolloutNoise.draw(envs, T), rollout)
+            obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)
             if run.log(T * N, stats, finished_episodes(rollout), rollout):  # True once the target return is reached
                 break
     return agent

@@ -414,12 +414,12 @@ def train(args: Args) -> Agent:
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
         scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
-        rollout = Rollout.empty(T, N, envs.obs_dim, envs.action_dim, device)
         # with --resume: agent and normaliser, optimizer, reward scaler, envs, RNGs and counters as the checkpoint
         # left them (your own state goes in by name too: a tensor changed in place, or an object with a state_dict())
         raw_obs = run.start(
             agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0], reward_scaler=scale_reward
         )
+        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)  # --num-seeds K: [K, ...]
         # the phases as written; --compile makes each one graph, the gradient step with Adam written out (which
         # --num-seeds needs too: vmap cannot run backward()), built on the restored state (ladder/compile.py)
         prepare = make_batch
@@ -437,7 +437,7 @@ def train(args: Args) -> Agent:
         for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
-            raw_obs = collect_rollout(agent, envs, raw_obs, rollout, scale_reward)
+            raw_obs = run.each(collect_rollout, agent, envs, raw_obs, rollout, scale_reward)  # each seed's envs
             stats = learn(rollout)
             if run.log(T * N, stats, finished_episodes(rollout), rollout):  # True once the target return is reached
                 break

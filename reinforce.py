@@ -281,18 +281,24 @@ def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noi
     return obs
 
 
-def collect_episodes(collect, agent: Agent, envs, storage: Rollout) -> int:
+def collect_episodes(collect, run, agent: Agent, envs, storage: Rollout) -> int:
     """Reset every env, then step them all in chunks of 10 steps (`collect`: `collect_rollout`, compiled with --compile)
     until each env has finished an episode (at most T steps), filling the first rows of `storage`; return the number of
-    steps taken. (`terminated` and `final_obs` go unused, filled to keep `collect_rollout` as in the other two.)"""
-    obs, _ = envs.reset()  # fresh episodes: each env's first one is complete within the rollout
-    for start in range(0, len(storage.obs), 10):
-        chunk = Rollout(*(x[start : start + 10] for x in storage))
-        obs = collect(agent, envs, obs, chunk, RolloutNoise.draw(envs, len(chunk.obs)))
+    steps taken. (`terminated` and `final_obs` go unused, filled to keep `collect_rollout` as in the other two.)
+    --num-seeds K: `storage` is [K, T, ...], the chunks go on until every seed's envs have finished an episode."""
+    time = storage.dones.dim() - 2  # the steps' dimension: 0, or 1 after --num-seeds K's seeds
+    obs = run.each(fresh_episodes, envs)  # each env's first episode is then complete within the rollout
+    for start in range(0, storage.dones.shape[time], 10):
+        chunk = Rollout(*(x.narrow(time, start, min(10, x.shape[time] - start)) for x in storage))
+        obs = collect(agent, envs, obs, chunk, run.each(RolloutNoise.draw, envs, chunk.dones.shape[time]))
         # a host read every 10 steps, not every step: on a GPU each read waits for the device
-        if storage.dones[: start + 10].any(0).all():
+        if storage.dones.narrow(time, 0, start + chunk.dones.shape[time]).any(time).all():
             break
-    return start + len(chunk.obs)
+    return start + chunk.dones.shape[time]
+
+
+def fresh_episodes(envs) -> torch.Tensor:
+    return envs.reset()[0]
 
 
 def compute_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -351,11 +357,13 @@ def train(args: Args, envs=None) -> Agent:
         # the fused kernel is ~3x faster than the per-tensor loop on a small net
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
-        storage = Rollout.empty(args.num_steps, args.num_envs, envs.obs_dim, device)
         total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
         # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes in
         # by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a state_dict()
         run.start(agent, envs, optimizer, total_steps)
+        storage = run.each(
+            Rollout.empty, args.num_steps, args.num_envs, envs.obs_dim, device
+        )  # --num-seeds K: [K, ...]
         # the phases as written; --compile makes each one graph, the gradient step with Adam written out (which
         # --num-seeds needs too: vmap cannot run backward()), built on the restored state (ladder/compile.py)
         collect = collect_rollout
@@ -366,10 +374,8 @@ def train(args: Args, envs=None) -> Agent:
             collect = run.seeds.stack(collect, run, None, envs, agent)
         elif run.device.type in CudaGraph.devices:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
             collect = CudaGraph(collect, run, None, envs, agent)
-        for _ in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
-            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
-            steps = collect_episodes(collect, agent, envs, storage)
+
+        def learn(storage: Rollout, steps: int):  # the update on one seed's first episodes (their number varies)
             rollout = Rollout(*(x[:steps] for x in storage))
             # each env's first episode only: an unbiased sample of the policy's episodes (see the module docstring)
             first = first_episodes(rollout.dones)
@@ -378,10 +384,15 @@ def train(args: Args, envs=None) -> Agent:
             batch = Batch(rollout.obs[first], rollout.actions[first], returns[first])  # from the first, as if resumed)
             for x in batch if args.compile else ():
                 torch._dynamo.maybe_mark_dynamic(x, 0)
-            stats = step(batch)
             # log the same episodes (those of `first`); every simulated step counts
-            episodes = finished_episodes(rollout._replace(dones=rollout.dones & first))
-            if run.log(steps * args.num_envs, stats, episodes, rollout):  # True once the target return is reached
+            return step(batch), finished_episodes(rollout._replace(dones=rollout.dones & first))
+
+        for _ in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
+            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
+                group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
+            steps = collect_episodes(collect, run, agent, envs, storage)
+            stats, episodes = run.each(learn, storage, steps)  # --num-seeds K: each seed's update on its own
+            if run.log(steps * args.num_envs, stats, episodes, storage):  # True once the target return is reached
                 break
     return agent
 

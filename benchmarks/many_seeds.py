@@ -56,7 +56,7 @@ class ManySeedsArgs:
     alike? Their aggregates, and a permutation test of their steps to solve"""
     profile: int = 0
     """instead: where the time of `--num-seeds` this many goes (--steps each, in this process, the default device):
-    the stacked calls, the stacking around them, the seeds' Run.log, the rest; and the top ops of one stacked call"""
+    the stacked calls, `run.each`, the seeds' logs, the rest; and the top ops of one stacked call"""
 
 
 def timed(commands: list[list[str]]) -> tuple[float, float]:
@@ -125,9 +125,9 @@ def statistics(k: int, py: str, script: str) -> None:
 
 
 def profile(k: int, steps: int) -> None:
-    """--num-seeds K timed by part: the stacked calls (the vmapped iteration, each seed's device work), the stacking of
-    the seeds' tensors around them, each seed's `Run.log`, and the rest (each seed's Python between calls, the turns
-    of their threads, the set-up); then the ops that took the most time in the third stacked call (torch.profiler)."""
+    """--num-seeds K timed by part: the stacked calls (the vmapped iteration, all seeds' device work), `run.each` (each
+    seed's noise from its own generators), the seeds' logs (one host read, then each seed's TensorBoard), and the rest
+    (the loop's Python, the set-up); then the ops that took the most time in the third stacked call (torch.profiler)."""
     import functools
 
     from torch.profiler import profile as torch_profile
@@ -173,20 +173,17 @@ def profile(k: int, steps: int) -> None:
 
     vmapped_as_written = ladder.seeds.Seeds.vmapped
     ladder.seeds.Seeds.vmapped = vmapped
-    ladder.seeds.Seeds.call_stacked = clocked("stacked", ladder.seeds.Seeds.call_stacked)
-    ladder.run.Run.log = clocked("log", ladder.run.Run.log)
+    ladder.seeds.Seeds.each = clocked("each", ladder.seeds.Seeds.each)
+    ladder.seeds.Seeds.log = clocked("log", ladder.seeds.Seeds.log)
     start = time.perf_counter()
     ladder.seeds.train_seeds(P.train, args)
     profiled = seconds.get("profiled", 0.0)
     wall, n = time.perf_counter() - start - profiled, calls[0] - bool(profiled)
     parts = {
         "the stacked calls (the vmapped iteration)": seconds["calls"],
-        "stacking the seeds' tensors around them": seconds["stacked"] - seconds["calls"] - profiled,
-        f"the seeds' `Run.log` ({k} per iteration)": seconds["log"],
-        "the rest (each seed's Python, the threads' turns, set-up)": wall
-        + profiled
-        - seconds["stacked"]
-        - seconds["log"],
+        f"`run.each`: the {k} seeds' noise, each from its own generators": seconds["each"],
+        f"the seeds' logs: one host read, then {k} seeds' TensorBoard": seconds["log"],
+        "the rest (the loop's Python, the set-up)": wall - seconds["calls"] - seconds["each"] - seconds["log"],
     }
     title = f"`--num-seeds {k}`, {steps:,} steps each, {args.device}: {n} iterations (the profiled one left out)"
     print(f"\n| {title} | s | share | ms per iteration |\n|---|---|---|---|")

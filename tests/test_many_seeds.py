@@ -96,31 +96,32 @@ def test_each_seed_clips_and_normalises_with_its_own_data():
 
     def update(scale: float):
         torch.manual_seed(0)
-        agents = [P.Agent(4, 2) for _ in range(2)]
+        agents = [P.Agent(4, 2) for _ in range(3)]  # 2 seeds', then the lead's (its tensors stand in for the stacked)
         optimizers = [torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5) for a in agents]
         g = torch.Generator().manual_seed(1)
         batches = [P.Batch(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g),
                            -torch.rand(64, generator=g), torch.randn(64, generator=g), torch.randn(64, generator=g),
                            torch.randn(64, generator=g)) for _ in range(2)]  # fmt: skip
         batches[1] = batches[1]._replace(advantages=batches[1].advantages * scale)
-        seeds = Seeds(args)
-        seeds.runs = [types.SimpleNamespace(device=torch.device("cpu"), args=args)] * 2
-        Seeds.current = seeds
+        runs = [types.SimpleNamespace(agent=a, envs=types.SimpleNamespace(), optimizer=o, stateful={})
+                for a, o in zip(agents, optimizers)]  # fmt: skip
+        lead = runs[2]
+        lead.device, lead.args, lead.holding = torch.device("cpu"), args, lambda state: state
+        seeds = Seeds(args, train=None)
+        seeds.lead, seeds.runs, Seeds.current = lead, runs[:2], seeds
         try:
-            steps = [compile_phases(functools.partial(P.gradient_step, a, o, P.ppo_loss, args))[0]
-                     for a, o in zip(agents, optimizers)]  # fmt: skip
+            step = compile_phases(functools.partial(P.gradient_step, agents[2], optimizers[2], P.ppo_loss, args))[0]
         finally:
             Seeds.current = None
-        seeds.entries = [[(steps[k], optimizers[k], (agents[k],))] for k in range(2)]
-        stats = seeds.call_stacked(0, [0, 1], [(batches[0],), (batches[1],)])
-        return agents, stats, batches[0]
+        stats = seeds.stack(step, lead, optimizers[2], agents[2])(P.Batch(*map(torch.stack, zip(*batches))))
+        return agents[:2], {tag: value.unbind() for tag, value in stats.items()}, batches[0]
 
     (one, _), stats, batch = update(1.0)
     (same, _), stats_scaled, _ = update(1000.0)
     for a, b in zip(one.parameters(), same.parameters()):
         assert torch.equal(a, b)
-    assert stats[0]["losses/policy_loss"] == stats_scaled[0]["losses/policy_loss"]
-    assert stats[1]["losses/policy_loss"] != stats_scaled[1]["losses/policy_loss"]
+    assert stats["losses/policy_loss"][0] == stats_scaled["losses/policy_loss"][0]
+    assert stats["losses/policy_loss"][1] != stats_scaled["losses/policy_loss"][1]
     torch.manual_seed(0)
     alone = P.Agent(4, 2)
     optimizer = torch.optim.Adam(alone.parameters(), lr=1e-2, eps=1e-5)

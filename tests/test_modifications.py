@@ -2,6 +2,7 @@
 modes it meets: --compile against eager, stopped and resumed against one run straight through (docs/modifying.md).
 Under `pytest --script COPY` the same changes are made to the copy."""
 
+import glob
 import math
 import os
 import subprocess
@@ -247,17 +248,20 @@ def lr_scheduler(module, monkeypatch, given: bool = True) -> dict:
     `run.log` in the loop body and, with `given`, given to `run.start`. Returns {"scheduler": it}."""
     adam, real_start, real_log, box = torch.optim.Adam, module.Run.start, module.Run.log, {}
 
-    def make(params, **kwargs):
+    def make(params, **kwargs):  # each optimizer's own (--num-seeds: each seed's, and the one train() steps)
         optimizer = adam(params, **kwargs)
-        box["scheduler"] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        box["scheduler"] = box[optimizer] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return optimizer
 
-    def start(self, *args, **kwargs):
-        return real_start(self, *args, **kwargs, **({"scheduler": box["scheduler"]} if given else {}))
+    def start(self, agent, envs, optimizer, *args, **kwargs):
+        self.scheduler = box[optimizer]
+        return real_start(
+            self, agent, envs, optimizer, *args, **kwargs, **({"scheduler": box[optimizer]} if given else {})
+        )
 
     def log(self, *args, **kwargs):  # `if run.log(...): break`, then `scheduler.step()` in the loop body
         reached = real_log(self, *args, **kwargs)
-        box["scheduler"].step()
+        self.scheduler.step()
         return reached
 
     monkeypatch.setattr(module.torch.optim, "Adam", make)
@@ -279,6 +283,20 @@ def test_a_scheduler_stepped_after_run_log_resumes_in_step(name, in_tmp, monkeyp
                                             monkeypatch)  # fmt: skip
     assert_same_scalars(run_dir(in_tmp, "cut"), run_dir(in_tmp, "whole"))
     assert_same_training(whole, None, resumed)
+
+
+@pytest.mark.behaviour
+def test_a_scheduler_steps_two_stacked_seeds_and_resumes_them_exactly(in_tmp, monkeypatch):
+    """--num-seeds 2: the scheduler train() steps (the one given to its run.start) sets every seed's rate; each
+    seed's checkpoint holds it, and the two resumed train as the two straight through (rates, scalars, weights)."""
+    from test_many_seeds import stacked_stopped_and_resumed
+
+    module = import_script("ppo_cartpole_gpu")
+    lr_scheduler(module, monkeypatch)
+    args = small_args(module, num_seeds=2, eval_episodes=0, anneal_lr=False)
+    stacked_stopped_and_resumed(module, args, in_tmp, monkeypatch)  # the same scalars (the rates too) and weights
+    rates = [rate for _, rate in scalars(glob.glob(str(in_tmp / "runs" / "*__whole__2__*"))[0])["charts/learning_rate"]]
+    assert rates[0] == pytest.approx(args.learning_rate) and rates[-1] < rates[0] / 2, rates
 
 
 def test_a_scheduler_not_given_to_run_start_is_refused_in_one_line(in_tmp, monkeypatch):
@@ -826,8 +844,6 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
     scalars and weights."""
     from test_many_seeds import stacked_stopped_and_resumed
 
-    if change == "dropout" and origin(name) == "reinforce":  # docs/modifying.md#many-seeds: its seeds are not in step
-        pytest.skip("REINFORCE's stacked chunks draw dropout for the seeds in step then, which a resume changes")
     module = import_script(name)
     if change == "buffer":
         annealed_buffer(module, monkeypatch)
