@@ -50,8 +50,8 @@ def record(monkeypatch, args: R.Args):
     rollouts, batches, logs = [], [], []
     collect_episodes, gradient_step, log = R.collect_episodes, R.gradient_step, R.Run.log
 
-    def recording_collect(collect, agent, envs, storage):
-        steps = collect_episodes(collect, agent, envs, storage)
+    def recording_collect(collect, run, agent, envs, storage):
+        steps = collect_episodes(collect, run, agent, envs, storage)
         rollouts.append(R.Rollout(*(x[:steps].clone() for x in storage)))
         return steps
 
