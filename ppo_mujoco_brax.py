@@ -473,13 +473,14 @@ def normalises_obs(args: Args) -> bool:
 
 
 class RunningMeanStd(nn.Module):
-    """Running mean and variance over batches (Chan et al.'s parallel update), in buffers: saved with the model."""
+    """Running mean and variance over batches (Chan et al.'s parallel update), in buffers: saved with the model. None
+    is 0-dim: torch 2.13's compiler drops an in-place update of a 0-dim float64 tensor (ladder/compile.py)."""
 
-    def __init__(self, shape=(), epsilon: float = 1e-4):
+    def __init__(self, shape=(1,), epsilon: float = 1e-4):
         super().__init__()
         self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
         self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.tensor(epsilon, dtype=torch.float64))
+        self.register_buffer("count", torch.full((1,), epsilon, dtype=torch.float64))
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:

@@ -66,7 +66,7 @@ def state(obj):
 def save_checkpoint(run) -> None:
     """`run`'s checkpoint.pt: the state given to `run.start` and, from every torchrun rank, its RNGs and envs, with
     the counters and the recent returns; written to a temporary file, then renamed (a kill mid-write leaves the old)."""
-    from ladder.distributed import note_ranks_apart
+    from ladder.distributed import ranks_apart
 
     cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
     envs = run.envs.state_dict() if hasattr(run.envs, "state_dict") else None  # EnvPool's emulators: none
@@ -74,9 +74,9 @@ def save_checkpoint(run) -> None:
     on_cpu = lambda x: x.cpu() if torch.is_tensor(x) else x
     own = {k: pytree.tree_map(on_cpu, state(v)) for k, v in run.stateful.items() if k in run.per_rank}
     ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs, "state": own}]
-    if run.world_size > 1:  # every rank's RNGs and envs, to rank 0
+    if run.world_size > 1:  # every rank's RNGs, envs and own state, to rank 0
+        mine["apart"] = ranks_apart(run)
         dist.gather_object(mine, ranks := [None] * run.world_size if run.rank == 0 else None, dst=0)
-        note_ranks_apart(run)
     run.checkpointed = run.counters["iteration"]
     if run.rank != 0:
         return

@@ -4,6 +4,8 @@ which torch.compile holds in one graph and torch.func.vmap stacks over seeds (--
 from __future__ import annotations
 
 import functools
+import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -108,6 +110,7 @@ def compile_phases(step: functools.partial, *phases):
     functional = build(functional_gradient_step(agent, optimizer, loss_fn, args))
     device = next(agent.parameters()).device
     groups = optimizer.param_groups  # (the dicts: dynamo, seeing the optimizer in a graph, would set it capturable)
+    optimizer._opt_called = True  # its steps are taken: an lr_scheduler's warning that step() is never called is wrong
 
     def functional_step(*batch_idx):  # the rates as the param groups have them now, in tensors: as floats they would
         lrs = [group["lr"] for group in groups]  # be constants, compiled again at every iteration
@@ -127,7 +130,10 @@ def compiled(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
-            return graph(*args, **kwargs)
+            # while dynamo compiles: torch 2.13 takes a 0-dim float64 CPU tensor (a running count) for a Python float,
+            # and its "tensorify" pass drops an in-place update of it (test_compile.py: ..._float64_scalars_update)
+            with mock.patch.dict(os.environ, TENSORIFY_PYTHON_SCALARS="0"):
+                return graph(*args, **kwargs)
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             cause, where = lines[0], [f" ({line})" for line in lines if line.startswith("File ")][-1:]  # your line

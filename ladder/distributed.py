@@ -41,18 +41,38 @@ def broadcast_from_rank_0(run) -> None:
             dist.broadcast(tensor, src=0)
 
 
-def note_ranks_apart(run) -> None:
-    """At a checkpoint: a note for each module or tensor that differs between the ranks (rank 0's is saved), once.
-    What trains besides the agent stays alike on every rank only if its gradients are averaged."""
-    sums = {}
+def ranks_apart(run) -> dict[str, torch.Tensor]:
+    """At a checkpoint: the state given to `run.start` that differs between the ranks, by name (`kl_coef`, a module's
+    `agent.obs_rms.mean`), noted once for each module or tensor. Parameters: rank 0's is saved (what trains besides the
+    agent stays alike only if its gradients are averaged). The rest (a statistic of the rank's own observations): this
+    rank's, returned for its checkpoint to keep and a resume to give back (`load_ranks_own`)."""
+    tensors, parameters = {}, set()
     for name, value in shared_state(run).items():
-        tensors = [value] if torch.is_tensor(value) else value.parameters()
-        sums[name] = float(sum(t.detach().double().sum() for t in tensors))
+        if torch.is_tensor(value):
+            tensors[name] = value.detach()
+        else:
+            parameters |= {f"{name}.{key}" for key, _ in value.named_parameters()}
+            tensors |= {f"{name}.{key}": t.detach() for key, t in [*value.named_parameters(), *value.named_buffers()]}
+    sums = {name: float(tensor.double().sum()) for name, tensor in tensors.items()}
     dist.all_gather_object(every := [None] * run.world_size, sums)
-    for name in [k for k in sums if len({rank[k] for rank in every}) > 1 and k not in run.diverged]:
-        run.diverged.add(name)
-        if isinstance(run.stateful[name], nn.Module) and any(True for _ in run.stateful[name].parameters()):
-            fix = f"average its gradients: average_gradients({name}) between backward() and step()"
-        else:  # a tensor or buffers: no gradient to average
-            fix = f"if each rank keeps its own, give it to run.start as PerRank({name})"
-        run.note(f"{name} differs between the torchrun ranks ({fix}, docs/modifying.md); rank 0's is saved")
+    apart = [name for name in sums if len({rank[name] for rank in every}) > 1]
+    for owner in dict.fromkeys(name.split(".")[0] for name in apart if name.split(".")[0] not in run.diverged):
+        run.diverged.add(owner)
+        own = [name for name in apart if name.split(".")[0] == owner]
+        if parameters.intersection(own):
+            fix = f"average its gradients: average_gradients({owner}) between backward() and step(), docs/modifying.md"
+            run.note(f"{owner} differs between the torchrun ranks ({fix}); rank 0's is saved")
+        else:
+            verb = "differs" if len(own) == 1 else "differ"
+            run.note(
+                f"{', '.join(own)} {verb} between the torchrun ranks: each rank's is saved and resumed as its own "
+                "(docs/modifying.md#your-own-state)"
+            )
+    return {name: tensors[name].cpu() for name in apart if name not in parameters}
+
+
+def load_ranks_own(run, saved: dict[str, torch.Tensor]) -> None:
+    """This rank's own state as `ranks_apart` found it at the checkpoint, in place of rank 0's."""
+    for name, value in saved.items():
+        owner, _, buffer = name.partition(".")
+        (run.stateful[owner].get_buffer(buffer) if buffer else run.stateful[owner]).copy_(value)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ladder.checkpoint import load_in_place, read_checkpoint, restore_progress, save_checkpoint
 from ladder.cli import UsageError, script_file
-from ladder.distributed import broadcast_from_rank_0
+from ladder.distributed import broadcast_from_rank_0, load_ranks_own
 
 
 class Run(contextlib.AbstractContextManager):
@@ -74,6 +74,8 @@ class Run(contextlib.AbstractContextManager):
                 "a torch.optim.lr_scheduler drives the optimizer: give it to run.start(..., "
                 "scheduler=scheduler), or a --resume would start its schedule over"
             )
+        if scheduled and getattr(a, "anneal_lr", False):  # train()'s annealing would set the rate over the scheduler's
+            raise UsageError("a torch.optim.lr_scheduler and --anneal-lr both set the rate: pass --no-anneal-lr")
         obs = self.seeds.start(self) if self.seeds is not None else self.open(obs)
         if self.built is not None:  # one of --num-seeds K seeds, built: its train() ends here (ladder/seeds.py)
             raise self.built(self, obs)
@@ -105,6 +107,7 @@ class Run(contextlib.AbstractContextManager):
             obs = restore_progress(self, self.saved, obs)
         if self.world_size > 1:
             broadcast_from_rank_0(self)
+            load_ranks_own(self, self.saved["ranks"][self.rank].get("apart", {}) if self.saved else {})
         if self.rank == 0:
             self.open_outputs(total_steps)
         if a.eval_only:  # no training: a folder of its own, the model's left as it is
@@ -170,6 +173,10 @@ class Run(contextlib.AbstractContextManager):
         what `record_video` films. FloatingPointError on a NaN loss; True once at the target. The checkpoint and a
         signal's stop come at the end of the iteration (`iterations`)."""
         k = 1 if self.seeds is None else len(self.seeds.runs)  # --num-seeds K: a row per seed, stacked
+        for tag, value in stats.items():  # a number each (a seed's own sum of a stacked x: x.flatten(1).sum(1))
+            if value.numel() != k:
+                each = "a number" if k == 1 else f"one number per seed under --num-seeds {k}"
+                raise UsageError(f"stats[{tag!r}] has shape {tuple(value.shape)}; run.log takes {each}")
         episodes = torch.cat([x.reshape(k, -1).float() for x in episodes], 1)  # (ended, return, length)
         head = torch.tensor([env_steps, self.stop_signal], dtype=torch.float32, device=self.device).expand(k, 2)
         values = torch.stack(list(stats.values()), -1).reshape(k, -1).float()

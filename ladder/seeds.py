@@ -253,11 +253,13 @@ class Seeds:
             keep(table, key, value)
 
     def sync_objects(self) -> None:
-        """The stacked tensors (`sync`), and each object given to run.start that holds none (a scheduler: the lead's
-        steps it for all seeds) as the lead's, in each seed's place."""
+        """The stacked tensors (`sync`), the lead's rates and each object given to run.start that holds none (a
+        scheduler: the lead's steps it for all seeds) as the lead's, in each seed's place: as the checkpoint must have
+        them at the end of the iteration, after a scheduler's step that follows `run.log`."""
         self.sync()
-        for name, obj in plain_objects(self.lead).items():
-            for run in self.runs:
+        for run in self.runs:
+            copy_rates(self.lead.optimizer, run.optimizer)
+            for name, obj in plain_objects(self.lead).items():
                 run.stateful[name].load_state_dict(obj.state_dict())
 
     @contextlib.contextmanager
@@ -279,8 +281,7 @@ class Seeds:
         reached the target (one that reaches it first trains on with the others)."""
         self.sync()
         for seed, run in enumerate(self.runs):
-            for group, lead_group in zip(run.optimizer.param_groups, lead.optimizer.param_groups):
-                group["lr"] = float(lead_group["lr"])  # as the lead's loop set it: logged, checkpointed
+            copy_rates(lead.optimizer, run.optimizer)  # as the lead's loop set them: logged
             film = lambda seed=seed: pytree.tree_map(lambda x: x[seed] if torch.is_tensor(x) else x, rollout)
             with self.as_seed(seed):
                 run.record([numbers[seed]], tags, film)
@@ -340,6 +341,12 @@ def finished(run_dir: str, args) -> bool:
     s = read_summary(run_dir) or {"status": None}
     done = s["status"] == "completed" and s["args"]["total_timesteps"] >= args.total_timesteps
     return done or s["status"] == "target return reached" and s["args"]["target_return"] == args.target_return
+
+
+def copy_rates(source, target) -> None:
+    """`source`'s learning rates into `target`'s param groups."""
+    for group, source_group in zip(target.param_groups, source.param_groups):
+        group["lr"] = float(source_group["lr"])
 
 
 def params(optimizer) -> list:

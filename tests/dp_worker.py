@@ -14,6 +14,8 @@
    to see the note, as a plain tensor), straight through and stopped after iteration 2 then resumed: the weights.
 7. The recurrent recipe's copy of ppo_cartpole_gpu.py (a GRU policy, its hidden state `PerRank`), straight through
    and stopped after iteration 2 then resumed: the weights.
+8. The copy with the three recipes of tests/recipes.py (observation normalisation, RND, a Polyak target critic), each
+   rank's statistics its own, straight through and stopped after iteration 2 then resumed: the agent's whole state.
 """
 
 import functools
@@ -32,7 +34,7 @@ import reinforce as R  # noqa: E402
 import vpg as V  # noqa: E402
 from conftest import missing_extras  # noqa: E402
 from ladder.run import PerRank  # noqa: E402
-from recipes import recurrent_copy  # noqa: E402
+from recipes import ALL_THREE, recipe_copy, recurrent_copy  # noqa: E402
 
 
 def fixed_batch(n: int = 64) -> P.Batch:
@@ -184,6 +186,10 @@ def main(out: str) -> None:
         gru_args = recurrent.Args(**(vars(args) | {"env_id": "PositionsCart-v1", "exp_name": f"gru_stopped{stop_at}"}))
         agent = stopped_and_resumed(recurrent, gru_args, stop_at)
         torch.save(agent.state_dict(), os.path.join(out, f"gru_stopped{stop_at}_rank{rank}.pt"))
+    recipes = recipe_copy(P.__file__, f"rank{rank}", ALL_THREE, "recipes")
+    for stop_at in (0, 2):
+        agent = stopped_and_resumed(recipes, recipes.Args(**(vars(args) | {"exp_name": f"recipes{stop_at}"})), stop_at)
+        torch.save(agent.state_dict(), os.path.join(out, f"recipes_stopped{stop_at}_rank{rank}.pt"))
     for module, steps in ((V, 8), (R, 500)):  # VPG and REINFORCE run data parallel too
         args = module.Args(num_envs=16, num_steps=steps, total_timesteps=2 * 16 * 8 * 5, target_return=None,
                            eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip

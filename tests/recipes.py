@@ -134,6 +134,159 @@ through time (the stored h_{t-1} is an input, as R2D2 stores the recurrent state
 velocities."""
 
 
+RUNNING_MEAN_STD = (
+    "# Agent ----------------------------------------------------------------------------------------\n",
+    '''# Agent ----------------------------------------------------------------------------------------
+class RunningMeanStd(nn.Module):
+    """Running mean and variance of batches of x (Chan et al.'s parallel update), in float64 buffers of the agent: the
+    checkpoint, --save-model and each seed (--num-seeds) keep them; each torchrun rank keeps its own (as gymnasium's
+    NormalizeObservation does in each process), saved and resumed as its own."""
+
+    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(epsilon, dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:  # in place (.add_, .copy_): what every mode keeps
+        x = x.reshape(-1, *self.mean.shape).double()
+        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean.add_(delta * n / total)
+        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
+        self.count.copy_(total)
+
+    def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
+        return ((x - self.mean.float()) / (self.var.float() + 1e-8).sqrt()).clamp(-clip, clip)
+
+
+''',
+)
+"""A running mean and variance, shared by the observation-normalisation and RND recipes."""
+
+AGENT_LINE = "        self.critic, self.actor = mlp(obs_dim, 1, out_std=1.0), mlp(obs_dim, num_actions, out_std=0.01)\n"
+NEXT_VALUES = "        next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)\n"
+ARGS_END = '''    """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""\n'''
+OPTIMIZER = "        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)\n"
+
+OBSERVATION_NORMALISATION = [
+    RUNNING_MEAN_STD,
+    (AGENT_LINE, AGENT_LINE + "        self.obs_rms = RunningMeanStd((obs_dim,))  # the observations' statistics\n"),
+    (
+        "            rollout.obs[t] = obs\n",
+        """            agent.obs_rms.update(obs)  # each observation joins the statistics, then the policy sees it normalised
+            obs = agent.obs_rms.normalize(obs)
+            rollout.obs[t] = obs
+""",
+    ),
+    (
+        """rollout.final_obs[t] = terminated | truncated, info["final_obs"]\n""",
+        """rollout.final_obs[t] = terminated | truncated, agent.obs_rms.normalize(info["final_obs"])\n""",
+    ),
+    (
+        "            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise\n",
+        """            action = agent.get_action(agent.obs_rms.normalize(obs))  # greedy: no Gumbel noise
+            obs, _, terminated, truncated, info = envs.step(action)
+""",
+    ),
+]
+"""Running observation normalisation (gymnasium's NormalizeObservation): statistics in the agent, updated by each
+observation the rollout meets, the rollout holding normalised observations."""
+
+RND = [
+    RUNNING_MEAN_STD,
+    (
+        ARGS_END,
+        ARGS_END
+        + '''    intrinsic_coef: float = 0.1
+    """weight of the intrinsic reward: the RND predictor's error on the next observation, over its running std"""
+    rnd_learning_rate: float = 1e-3
+    """Adam learning rate of the RND predictor (a param group of its own)"""
+''',
+    ),
+    (
+        AGENT_LINE,
+        AGENT_LINE
+        + """        # RND (Burda et al. 2018): a fixed random network, a predictor trained to match it, its error's statistics
+        self.rnd_target = mlp(obs_dim, 16, out_std=1.0).requires_grad_(False)
+        self.rnd_predictor = mlp(obs_dim, 16, out_std=1.0)
+        self.surprise_rms = RunningMeanStd()
+""",
+    ),
+    (
+        NEXT_VALUES,
+        NEXT_VALUES
+        + """        final_obs = rollout.final_obs.view(T * N, -1)  # the intrinsic reward: how new the next observation is
+        surprise = (agent.rnd_predictor(final_obs) - agent.rnd_target(final_obs)).square().mean(-1)
+        agent.surprise_rms.update(surprise)
+        rewards = rollout.rewards + args.intrinsic_coef * (surprise / agent.surprise_rms.var.float().sqrt()).view(T, N)
+""",
+    ),
+    ("        rollout.rewards, values.view(T, N), next_values,", "        rewards, values.view(T, N), next_values,"),
+    (
+        "    loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss\n",
+        """    loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
+    rnd_loss = (agent.rnd_predictor(batch.obs) - agent.rnd_target(batch.obs)).square().mean()  # the predictor learns
+    loss = loss + rnd_loss
+""",
+    ),
+    (
+        """        "losses/total_loss": loss,\n""",
+        """        "losses/total_loss": loss,\n        "losses/rnd_loss": rnd_loss,\n""",
+    ),
+    (
+        OPTIMIZER,
+        """        policy = [p for name, p in agent.named_parameters() if p.requires_grad and not name.startswith("rnd_")]
+        groups = [{"params": policy}, {"params": agent.rnd_predictor.parameters(), "lr": args.rnd_learning_rate}]
+        optimizer = torch.optim.Adam(groups, lr=args.learning_rate, eps=1e-5, fused=True)
+""",
+    ),
+]
+"""An exploration bonus by random network distillation: the predictor a param group of the agent's one optimizer (so
+every mode steps it, --num-seeds too), its error normalised by running statistics, added to the reward in
+`make_batch` (one return stream: the paper keeps two)."""
+
+TARGET_OPTIMIZER = (
+    OPTIMIZER,
+    "        trained = (p for p in agent.parameters() if p.requires_grad)  # not the target critic\n"
+    "        optimizer = torch.optim.Adam(trained, lr=args.learning_rate, eps=1e-5, fused=True)\n",
+)
+POLYAK_TARGET = [
+    ("import functools\n", "import copy\nimport functools\n"),
+    (
+        ARGS_END,
+        ARGS_END
+        + '''    polyak_tau: float = 0.05
+    """the target critic moves this share of the way to the critic after each iteration"""
+''',
+    ),
+    (
+        AGENT_LINE,
+        AGENT_LINE
+        + "        self.target_critic = copy.deepcopy(self.critic).requires_grad_(False)  # bootstraps GAE\n",
+    ),
+    (
+        NEXT_VALUES,
+        "        next_values = agent.target_critic(rollout.final_obs.view(T * N, -1)).squeeze(-1).view(T, N)\n",
+    ),
+    TARGET_OPTIMIZER,
+    (
+        "            obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)\n",
+        """            obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)
+            with torch.no_grad():  # Polyak averaging: the target critic a step towards the critic
+                for target, online in zip(agent.target_critic.parameters(), agent.critic.parameters()):
+                    target.lerp_(online, args.polyak_tau)
+""",
+    ),
+]
+"""A target critic for the bootstrap values, updated by Polyak averaging (as DQN's soft target updates)."""
+
+RECIPES = {"observation normalisation": OBSERVATION_NORMALISATION, "RND": RND, "Polyak target": POLYAK_TARGET}
+ALL_THREE = OBSERVATION_NORMALISATION + RND[1:] + [edit for edit in POLYAK_TARGET if edit is not TARGET_OPTIMIZER]
+"""The three recipes in one copy (RND's optimizer leaves the frozen target critic out already)."""
+
+
 def apply(source: str, edits: list, name: str) -> str:
     """`source` with every edit made; an edit whose line the source lacks fails with that line."""
     for old, new in edits:
@@ -143,11 +296,16 @@ def apply(source: str, edits: list, name: str) -> str:
 
 
 def recurrent_copy(script_file: str, folder: str):
-    """The recipe applied to `script_file`, written into `folder` as recurrent_<name>.py and imported."""
-    name = "recurrent_" + os.path.basename(script_file).removesuffix(".py")
+    """The recurrent recipe applied to `script_file`, written into `folder` as recurrent_<name>.py and imported."""
+    return recipe_copy(script_file, folder, RECURRENT, "recurrent")
+
+
+def recipe_copy(script_file: str, folder: str, edits: list, prefix: str):
+    """`edits` applied to `script_file`, written into `folder` as <prefix>_<name>.py and imported."""
+    name = f"{prefix}_" + os.path.basename(script_file).removesuffix(".py")
     path = os.path.join(folder, name + ".py")
     with open(script_file) as f:
-        source = apply(f.read(), RECURRENT, os.path.basename(script_file))
+        source = apply(f.read(), edits, os.path.basename(script_file))
     with open(path, "w") as f:
         f.write(source)
     spec = importlib.util.spec_from_file_location(name, path)

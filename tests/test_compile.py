@@ -6,14 +6,18 @@ of each phase takes seconds; the tests reuse one shape per script so that cost i
 
 import copy
 import functools
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import guard_failures
 
-from conftest import SCRIPTS, assert_close, import_script, origin, read_json
-from ladder.compile import cannot_take_functional_step, compile_phases, functional_gradient_step
+from conftest import SCRIPTS, assert_close, assert_same_agents, import_script, origin, read_json
+from ladder.compile import cannot_take_functional_step, compile_phases, compiled, functional_gradient_step
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -55,8 +59,7 @@ def test_compiled_training_matches_eager(name, in_tmp):
     compiled = trained(name, in_tmp, compile=True)
     expected = {"ppo_cartpole_gpu": 3, "vpg": 3, "reinforce": 2}[origin(name)]  # a copy may compile more of its own
     assert graph_count() - before >= expected and recompilations() == "no recompilation", recompilations()
-    for (key, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
-        assert_close(a, b, key, atol=2e-4, rtol=1e-3)
+    assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
 
 
 def test_compiled_brax_training_matches_eager(in_tmp):
@@ -188,3 +191,48 @@ def test_another_optimizer_compiled_takes_its_own_step(make):
         mod.gradient_step(twin, twin_opt, mod.ppo_loss, mod.Args(), batch)
     for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
         assert_close(a, b, key, atol=1e-5, rtol=1e-4)
+
+
+class Statistics(torch.nn.Module):
+    """A running count kept as a 0-dim float64 buffer (as a running mean's), updated in place and not returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+
+def count_twice(compile_with) -> float:
+    """The buffer after two calls of `compile_with(update)`: 6.0 as eager has it, 0.0 where the update is dropped."""
+    statistics, x = Statistics(), torch.ones(3)
+
+    def update(statistics, x):
+        statistics.count.copy_(statistics.count + x.sum())
+
+    torch._dynamo.reset()
+    update = compile_with(update)
+    with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():  # a cached graph (and
+        warnings.filterwarnings("ignore", "dynamo_pgo force disabled")  # dynamo's record of earlier runs) would hide it
+        update(statistics, x)
+        update(statistics, x)
+    return float(statistics.count)
+
+
+def test_torch_still_drops_a_float64_scalars_update():
+    """The torch bug `ladder.compile.compiled` works around (torch 2.13, CPU): torch.compile drops the in-place update
+    of a 0-dim float64 tensor that the function does not return. Skips once torch computes it: the workaround can go.
+    In a process of its own: dynamo's record of a function's first compilation outlives torch._dynamo.reset() (compiled
+    through `ladder.compile.compiled` first, the same function keeps its update under torch.compile too)."""
+    code = "import torch, test_compile; print(test_compile.count_twice(lambda f: torch.compile(f, fullgraph=True)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    count = float(result.stdout.split()[-1]) if result.returncode == 0 else result.stderr[-2000:]
+    if count == 6.0:
+        pytest.skip(f"torch {torch.__version__} keeps the update: the workaround in ladder.compile.compiled can go")
+    assert count == 0.0
+
+
+def test_a_float64_scalars_update_is_kept_compiled():
+    """Through `ladder.compile.compiled` (what --compile makes of each phase) the update is kept, as eagerly: a copy's
+    running statistics (their count) go on counting compiled. Before, the count stayed where it started."""
+    assert count_twice(lambda fn: fn) == 6.0
+    assert count_twice(compiled) == 6.0

@@ -10,7 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch._dynamo
-from test_modifications import adaptive_penalty
 
 from conftest import (
     ROOT,
@@ -27,6 +26,7 @@ from conftest import (
     torchrun,
 )
 from ladder.seeds import train_seeds
+from test_modifications import adaptive_penalty
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -217,17 +217,34 @@ def test_state_each_rank_keeps_its_own_resumes_as_one_run(worker_outputs):
     """A tensor each rank keeps its own of (here a running mean of its observations, which the loss reads; in a copy,
     a recurrent policy's hidden state), given to `run.start` as `PerRank`: saved and restored per rank, so a run
     stopped after iteration 2 and resumed under torchrun ends with one run's weights, alike on both ranks. Given as a
-    plain tensor it is rank 0's at start and in the checkpoint: the resumed run ends elsewhere, and the note at the
-    checkpoint says to give it as `PerRank`, not to average gradients it has none of. Before, there was no per-rank
-    state: the resumed run's weights were 0.19 off (the issue's GRU copy), with advice to average its gradients."""
+    plain tensor the same: at the checkpoint the ranks' copies differ, so each rank's is saved and resumed, and a note
+    names it. Before PerRank the resumed run's weights were 0.19 off (the issue's GRU copy); before the rule, the plain
+    tensor was saved as rank 0's and the resumed run ended elsewhere, with a note only."""
     load = lambda name, rank: torch.load(worker_outputs / f"{name}_rank{rank}.pt")
-    whole, resumed, plain = (
-        load(name, 0) for name in ("per_rank1_stopped0", "per_rank1_stopped2", "per_rank0_stopped2")
-    )
-    for key, value in whole.items():
-        assert torch.equal(value, resumed[key]), key
-        assert torch.equal(load("per_rank1_stopped2", 1)[key], resumed[key]), f"rank 1: {key}"
-    assert any(not torch.equal(value, plain[key]) for key, value in whole.items())
-    notes = {line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "obs_mean differs" in line}
-    assert notes == {"note: obs_mean differs between the torchrun ranks (if each rank keeps its own, give it to "
-                     "run.start as PerRank(obs_mean), docs/modifying.md); rank 0's is saved"}  # fmt: skip
+    whole = load("per_rank1_stopped0", 0)
+    for name in ("per_rank1_stopped2", "per_rank0_stopped2"):
+        for key, value in whole.items():
+            assert torch.equal(value, load(name, 0)[key]), f"{name}: {key}"
+            assert torch.equal(load(name, 1)[key], value), f"{name}, rank 1: {key}"
+    notes = {line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "obs_mean differ" in line}
+    assert notes == {"note: obs_mean differs between the torchrun ranks: each rank's is saved and resumed as its own "
+                     "(docs/modifying.md#your-own-state)"}  # fmt: skip
+
+
+def test_the_three_recipes_stopped_and_resumed_under_torchrun_equal_one_run(worker_outputs):
+    """The copy with tests/recipes.py's three recipes under torchrun with 2 ranks: each rank's running statistics of
+    its own observations (buffers of the agent) differ, the weights stay alike (the RND predictor's gradients averaged
+    with the agent's), and a run stopped after iteration 2 and resumed ends as one run on each rank, statistics
+    included: the checkpoint keeps each rank's own, and a note names them. Before, the resume gave rank 1 rank 0's
+    statistics: the issue's copy evaluated 164 straight through, 500 resumed."""
+    load = lambda name, rank: torch.load(worker_outputs / f"recipes_stopped{name}_rank{rank}.pt")
+    for rank in (0, 1):
+        whole, resumed = load(0, rank), load(2, rank)
+        for key, value in whole.items():
+            assert torch.equal(value, resumed[key]), f"rank {rank}: {key}"
+    ranks = [load(0, rank) for rank in (0, 1)]
+    assert not torch.equal(ranks[0]["obs_rms.mean"], ranks[1]["obs_rms.mean"])
+    for key in [key for key in ranks[0] if "rms" not in key]:
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+    notes = [line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "agent.obs_rms" in line]
+    assert notes and all(" differ between the torchrun ranks: each rank's is saved and resumed" in n for n in notes)

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_modifications import adaptive_penalty
 
 from conftest import (
     SCRIPTS,
@@ -23,6 +22,7 @@ from conftest import (
 )
 from ladder.cuda_graph import CudaGraph
 from ladder.seeds import train_seeds
+from test_modifications import adaptive_penalty
 
 
 def replayed_on_the_cpu(module, monkeypatch, record=lambda self, body: body) -> None:

@@ -21,9 +21,11 @@ from conftest import (
     SCRIPTS,
     assert_close,
     assert_one_error_line,
+    assert_same_agents,
     assert_same_scalars,
     call_main,
     import_script,
+    learning_last,
     origin,
     read_json,
     run_dir,
@@ -58,11 +60,10 @@ def three_ways(module, monkeypatch, tmp, envs=None, script: str = ""):
 
 
 def assert_same_training(eager, compiled, resumed) -> None:
-    """Resumed: the same weights bit for bit; compiled: within float tolerance (see test_compile.py)."""
-    for key, value in eager.state_dict().items():
-        assert torch.equal(value, resumed.state_dict()[key]), f"resumed: {key}"
-        if compiled is not None:
-            assert_close(compiled.state_dict()[key], value, f"compiled: {key}", atol=2e-4, rtol=1e-3)
+    """Resumed: the same state bit for bit; compiled: within float tolerance (see test_compile.py)."""
+    assert_same_agents(resumed, eager, "resumed", exact=True)
+    if compiled is not None:
+        assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
 
 
 # A shared module ------------------------------------------------------------------------------
@@ -243,14 +244,14 @@ def test_param_groups_taken_before_run_start_stay_live_after_a_resume(name, in_t
     assert_same_training(whole, None, resumed)
 
 
-def lr_scheduler(module, monkeypatch, given: bool = True) -> dict:
-    """A torch.optim.lr_scheduler (StepLR: the rate halved every 2 iterations) on train()'s optimizer, stepped after
-    `run.log` in the loop body and, with `given`, given to `run.start`. Returns {"scheduler": it}."""
+def lr_scheduler(module, monkeypatch, given: bool = True, step_size: int = 2) -> dict:
+    """A torch.optim.lr_scheduler (StepLR: the rate halved every `step_size` iterations) on train()'s optimizer, stepped
+    after `run.log` in the loop body and, with `given`, given to `run.start`. Returns {"scheduler": it}."""
     adam, real_start, real_log, box = torch.optim.Adam, module.Run.start, module.Run.log, {}
 
     def make(params, **kwargs):  # each optimizer's own (--num-seeds: each seed's, and the one train() steps)
         optimizer = adam(params, **kwargs)
-        box["scheduler"] = box[optimizer] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        box["scheduler"] = box[optimizer] = torch.optim.lr_scheduler.StepLR(optimizer, step_size, gamma=0.5)
         return optimizer
 
     def start(self, agent, envs, optimizer, *args, **kwargs):
@@ -286,26 +287,39 @@ def test_a_scheduler_stepped_after_run_log_resumes_in_step(name, in_tmp, monkeyp
 
 
 @pytest.mark.behaviour
-def test_a_scheduler_steps_two_stacked_seeds_and_resumes_them_exactly(in_tmp, monkeypatch):
+def test_a_scheduler_steps_two_stacked_seeds_and_resumes_them_exactly(in_tmp, monkeypatch, recwarn):
     """--num-seeds 2: the scheduler train() steps (the one given to its run.start) sets every seed's rate; each
-    seed's checkpoint holds it, and the two resumed train as the two straight through (rates, scalars, weights)."""
+    seed's checkpoint holds it, and the two resumed train as the two straight through (rates, scalars, weights). The
+    rate changes at every iteration: before, each seed's checkpoint held the rate of the iteration before the
+    scheduler's last step (copied into the seeds when logged), and the resumed seeds' weights ended 0.15 apart. No
+    warning that the scheduler steps before the optimizer."""
     from test_many_seeds import stacked_stopped_and_resumed
 
     module = import_script("ppo_cartpole_gpu")
-    lr_scheduler(module, monkeypatch)
+    lr_scheduler(module, monkeypatch, step_size=1)
     args = small_args(module, num_seeds=2, eval_episodes=0, anneal_lr=False)
     stacked_stopped_and_resumed(module, args, in_tmp, monkeypatch)  # the same scalars (the rates too) and weights
     rates = [rate for _, rate in scalars(glob.glob(str(in_tmp / "runs" / "*__whole__2__*"))[0])["charts/learning_rate"]]
     assert rates[0] == pytest.approx(args.learning_rate) and rates[-1] < rates[0] / 2, rates
+    # the written-out step (as --compile's) takes the optimizer's steps: before, torch warned that none was taken
+    assert not [w for w in recwarn if "before `optimizer.step()`" in str(w.message)]
 
 
 def test_a_scheduler_not_given_to_run_start_is_refused_in_one_line(in_tmp, monkeypatch):
     """A scheduler on the run's optimizer that `run.start` was not given would start its schedule over at a resume
     (the issue's copy: its rate climbed to 4.7x the configured peak): refused at start, in one line."""
     lr_scheduler(import_script("ppo_cartpole_gpu"), monkeypatch, given=False)
-    result = call_main("ppo_cartpole_gpu", *short_flags("ppo_cartpole_gpu"), cwd=in_tmp)
+    result = call_main("ppo_cartpole_gpu", *short_flags("ppo_cartpole_gpu"), "--no-anneal-lr", cwd=in_tmp)
     assert_one_error_line(result, "a torch.optim.lr_scheduler drives the optimizer: give it to run.start(..., "
                                   "scheduler=scheduler), or a --resume would start its schedule over")  # fmt: skip
+
+
+def test_a_scheduler_with_anneal_lr_is_refused_in_one_line(in_tmp, monkeypatch):
+    """The default --anneal-lr sets the rate at every iteration, over a scheduler's: refused at start, in one line.
+    Before, a LambdaLR warm-up had no effect at all, silently (its first iteration logged the full rate)."""
+    lr_scheduler(import_script("ppo_cartpole_gpu"), monkeypatch)
+    result = call_main("ppo_cartpole_gpu", *short_flags("ppo_cartpole_gpu"), cwd=in_tmp)
+    assert_one_error_line(result, "a torch.optim.lr_scheduler and --anneal-lr both set the rate: pass --no-anneal-lr")
 
 
 # Another env ----------------------------------------------------------------------------------
@@ -634,6 +648,21 @@ def test_every_param_group_is_annealed_from_its_own_first_rate(name, in_tmp, mon
 
 
 # The tests, on a copy -------------------------------------------------------------------------
+@pytest.mark.quick
+def test_pytest_script_runs_the_learning_tests_last():
+    """`--script` orders the behavioural tests with the learning ones (minutes each) last, the rest as collected."""
+
+    class Item:
+        def __init__(self, name, learning=False):
+            self.name, self.learning = name, learning
+
+        def get_closest_marker(self, marker):
+            return marker == "learning" and self.learning or None
+
+    items = [Item("solves", learning=True), Item("probe"), Item("learns", learning=True), Item("compiled")]
+    assert [item.name for item in learning_last(items)] == ["probe", "compiled", "solves", "learns"]
+
+
 def test_pytest_script_runs_the_behavioural_tests_on_a_copy(tmp_path):
     """`python -m pytest --script COPY` runs the behavioural tests of the script COPY came from, on COPY (here those
     named "probe 4"): a copy whose policy gradient has the wrong sign fails probe 4 (one observation, action 1
@@ -874,10 +903,12 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
     ("two optimizers", "here: the optimizer holds other parameters than the agent's trainable ones"),
     ("backward", "--num-seeds: backward() called inside a functorch transform"),
     ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
+    ("metric", "stats['charts/weight_sum'] has shape (); run.log takes one number per seed under --num-seeds 2"),
 ])  # fmt: skip
 def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, message, in_tmp, monkeypatch):
     """What the stacked call cannot give each seed its own of (the optimizer's step, a tensor the loss reads by
-    closure), or cannot run (backward(): vmap has torch.func.grad instead), stops the run in one line, and nothing
+    closure), or cannot run (backward(): vmap has torch.func.grad instead), and a metric that is not per seed (before:
+    a traceback from run.log's `torch.stack`), stops the run in one line, and nothing
     before it reads as an error: not seed 1's value silently used for every seed, not 67 lines of traceback (the
     issue's copy with two optimizers), not a result line per seed reading `error: total_env_steps 0, ...`."""
     module = import_script("ppo_cartpole_gpu")
@@ -893,6 +924,10 @@ def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, m
                             real_update(*a))  # fmt: skip
     if change == "state":
         adaptive_penalty(module, monkeypatch)
+    if change == "metric":  # a sum over the stacked weights (all seeds'), added in train() before run.log
+        real_log = module.Run.log
+        monkeypatch.setattr(module.Run, "log", lambda self, steps, stats, *a: real_log(
+            self, steps, stats | {"charts/weight_sum": sum(p.sum() for p in self.agent.parameters())}, *a))  # fmt: skip
     result = call_main("ppo_cartpole_gpu", "--num-seeds", "2", *short_flags("ppo_cartpole_gpu"), cwd=in_tmp)
     assert_one_error_line(result, message)
     assert not [line for line in result.stdout.splitlines() if line.startswith("error")], result.stdout
