@@ -42,10 +42,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ladder.cli import RunFlags, UsageError, check_flags, run_command_line
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.cli import run_command_line
+from ladder.distributed import mean_over_ranks
+from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.optim import Adam
+from ladder.outputs import video_writer
 from ladder.run import Run
-from ladder.video import video_writer
 
 THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
@@ -362,15 +364,15 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
     return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
-    """One optimizer step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of
-    it when None), with global gradient-norm clipping (detail 11); returns the loss statistics."""
-    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    average_gradients(agent)  # data parallel under torchrun
-    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
+def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
+    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
+    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
+    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
+    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
+    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
+    grad = mean_over_ranks(grad)  # data parallel under torchrun
+    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
     return stats
 
 
@@ -387,10 +389,11 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
     critic's explained variance."""
     history = []
     for _ in range(args.update_epochs):
-        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).tensor_split(args.num_minibatches):
+        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
+        for idx in shuffled.tensor_split(args.num_minibatches):
             history.append(step(batch, idx))
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
-        if args.target_kl is not None and mean_over_ranks([history[-1]["losses/approx_kl"]])[0] > args.target_kl:
+        if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
@@ -409,8 +412,8 @@ def train(args: Args) -> Agent:
         agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)  # rank 0's, see run.start
         if args.compile:  # compile the forward pass only, so the weights keep their plain names
             agent.forward = torch.compile(agent.forward)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # eps: detail 3
-        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
+        optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
+        initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
         step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
         rollout = Rollout.empty(T, N, device)
         envs.async_reset()
@@ -419,7 +422,7 @@ def train(args: Args) -> Agent:
         run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
         for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
+                group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             env_steps = collect_rollout(agent, envs, rollout, env_batch)
             # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
             advantages, returns = compute_gae(

@@ -34,12 +34,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn as nn
 
-from ladder.cli import RunFlags, UsageError, check_flags, run_command_line
-from ladder.compile import compile_phases
+from ladder.cli import run_command_line
+from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.distributed import mean_over_ranks
+from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.optim import Adam
+from ladder.outputs import video_writer
 from ladder.run import Run
-from ladder.video import video_writer
 
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
@@ -135,7 +137,7 @@ class CartPole:
     def draw_initial_states(self, *shape: int) -> torch.Tensor:
         """States uniform in [-0.05, 0.05], (..., n, 4) for `shape` (..., n); feature-major in memory: see `step`."""
         *lead, n = shape
-        return torch.empty(*lead, 4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).mT
+        return (torch.rand(*lead, 4, n, device=self.device, generator=self.generator) * 0.1 - 0.05).mT
 
     def reset(self):
         self.state = self.draw_initial_states(self.num_envs)
@@ -276,9 +278,9 @@ class RolloutNoise(NamedTuple):
 
     @staticmethod
     def draw(envs, num_steps: int) -> RolloutNoise:
-        """The Gumbel noise from torch's global generator (seeded by --seed), the states from the env's own."""
-        gumbel = -torch.empty(num_steps, envs.num_envs, envs.num_actions, device=envs.device).exponential_().log()
-        return RolloutNoise(gumbel, envs.draw_initial_states(num_steps, envs.num_envs))
+        """The Gumbel noise -log(-log U) from torch's global generator (seeded by --seed), the states from the env's."""
+        uniform = torch.rand(num_steps, envs.num_envs, envs.num_actions, device=envs.device)
+        return RolloutNoise(-(-uniform.log()).log(), envs.draw_initial_states(num_steps, envs.num_envs))
 
 
 class Batch(NamedTuple):
@@ -361,15 +363,15 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
     return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
-    """One optimizer step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of
-    it when None), with global gradient-norm clipping (detail 11); returns the loss statistics."""
-    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    average_gradients(agent)  # data parallel under torchrun
-    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
+def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
+    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
+    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
+    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
+    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
+    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
+    grad = mean_over_ranks(grad)  # data parallel under torchrun
+    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
     return stats
 
 
@@ -384,10 +386,11 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
     ending early once the approximate KL exceeds `target-kl`; returns the mean loss statistics, explained variance."""
     history = []
     for _ in range(args.update_epochs):
-        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).tensor_split(args.num_minibatches):
+        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()  # (vmap: one sort, K seeds)
+        for idx in shuffled.tensor_split(args.num_minibatches):
             history.append(step(batch, idx))
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
-        if args.target_kl is not None and mean_over_ranks([history[-1]["losses/approx_kl"]])[0] > args.target_kl:
+        if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
@@ -396,38 +399,36 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 def train(args: Args, envs=None) -> Agent:
     """Train PPO on `envs` (default: the `--env-id` env) and return the agent. Any env with the CartPole interface
     works, e.g. the tests' probe envs. `Run` writes the outputs, also when an exception ends the run."""
-    device, T, N = torch.device(args.device), args.num_steps, args.num_envs
+    device, T, N, given_envs = torch.device(args.device), args.num_steps, args.num_envs, envs
     with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
-        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
-        envs = make_envs(args, device, envs, run.rank)
-        agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
-        # eps 1e-5: detail 3; the fused kernel is ~3x faster than the per-tensor loop on a small net
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
-        # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes in
-        # by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a state_dict()
-        obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
+        for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
+            torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
+            envs = make_envs(args, device, given_envs, seed + run.rank)
+            agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
+            optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
+            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
+            # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes
+            # in by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a
+            # state_dict(). The last seed's: the K seeds' state stacked [K, ...] in its objects, which go on below
+            obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)  # --num-seeds K: [K, ...], each seed's
-        # the phases as written; --compile makes each one graph, the gradient step with Adam written out (which
-        # --num-seeds needs too: vmap cannot run backward()), built on the restored state (ladder/compile.py)
-        collect, prepare = collect_rollout, make_batch
-        step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
-        if args.compile or run.seeds:
-            collect, prepare, step = compile_phases(step, collect, prepare)
+        phases = (collect_rollout, make_batch, gradient_step)  # --compile: each one graph (ladder/compile.py)
+        collect, prepare, step = map(compiled, phases) if args.compile else phases
 
         def one_iteration(obs, noise, rollout):  # the iteration's device work (the rollout it fills given: each seed
             obs = collect(agent, envs, obs, rollout, noise)  # has one); `envs` and `agent` hold the state it changes
-            return obs, update(step, prepare(agent, rollout, args), args)  # π_old, V_old and GAE; the epochs
+            step_agent = functools.partial(step, agent, optimizer, ppo_loss, args)
+            return obs, update(step_agent, prepare(agent, rollout, args), args)  # π_old, V_old and GAE; the epochs
 
-        if run.seeds:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state (ladder/seeds.py)
-            one_iteration = run.seeds.stack(one_iteration, run, optimizer, envs, agent)
+        if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
+            one_iteration = run.stacked(one_iteration)
         elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            one_iteration = CudaGraph(one_iteration, run, optimizer, envs, agent)
+            one_iteration = CudaGraph(one_iteration, run)
         for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
+                group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)
             if run.log(T * N, stats, finished_episodes(rollout), rollout):  # True once the target return is reached
                 break
@@ -462,11 +463,13 @@ class SpinCart(CartPole):
         return self.state[:, 0].abs() > self.x_threshold
 
 
-def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
-    """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
+def make_envs(args: Args, device: torch.device, envs=None, seed: int = 0):
+    """The `--env-id` envs seeded `seed`, or the given `envs` (e.g. a probe) checked against the flags."""
+    if envs is not None and args.num_seeds > 1:
+        raise UsageError("--num-seeds builds each seed's envs: give train() none")
     if envs is None:
         env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
-        envs = env_class(args.num_envs, device, args.seed + rank)
+        envs = env_class(args.num_envs, device, seed)
     if envs.num_envs != args.num_envs:
         raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
     if args.capture_video and not isinstance(envs, CartPole):  # `draw` pictures a cart and a pole

@@ -38,12 +38,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ladder.cli import RunFlags, UsageError, check_flags, run_command_line
-from ladder.compile import compile_phases
+from ladder.cli import run_command_line
+from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.distributed import mean_over_ranks
+from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.optim import Adam
+from ladder.outputs import video_writer
 from ladder.run import Run
-from ladder.video import video_writer
 
 Locomotion = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid"]
 EnvId = Literal[Locomotion, "inverted_pendulum", "inverted_double_pendulum", "reacher", "pusher"]
@@ -368,15 +370,15 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
     return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
-    """One optimizer step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of
-    it when None), with global gradient-norm clipping (detail 11); returns the loss statistics."""
-    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    average_gradients(agent)  # data parallel under torchrun
-    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
+def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
+    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
+    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
+    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
+    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
+    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
+    grad = mean_over_ranks(grad)  # data parallel under torchrun
+    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
     return stats
 
 
@@ -391,10 +393,11 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
     ending early once the approximate KL exceeds `target-kl`; returns the mean loss statistics, explained variance."""
     history = []
     for _ in range(args.update_epochs):
-        for idx in torch.randperm(len(batch.actions), device=batch.actions.device).tensor_split(args.num_minibatches):
+        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()  # (vmap: one sort, K seeds)
+        for idx in shuffled.tensor_split(args.num_minibatches):
             history.append(step(batch, idx))
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
-        if args.target_kl is not None and mean_over_ranks([history[-1]["losses/approx_kl"]])[0] > args.target_kl:
+        if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
@@ -407,37 +410,38 @@ def train(args: Args) -> Agent:
     with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
-        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
-        run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
-        envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + run.rank)
-        agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)  # rank 0's, see run.start
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
-        scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
-        # with --resume: agent and normaliser, optimizer, reward scaler, envs, RNGs and counters as the checkpoint
-        # left them (your own state goes in by name too: a tensor changed in place, or an object with a state_dict())
-        raw_obs = run.start(
-            agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0], reward_scaler=scale_reward
-        )
+        for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
+            torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
+            if seed == args.seed:
+                run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
+            envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, seed + run.rank)
+            agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)  # rank 0's, see run.start
+            optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
+            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
+            scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
+            # with --resume: agent and normaliser, optimizer, reward scaler, envs, RNGs and counters as the
+            # checkpoint left them (your own state goes in by name too: a tensor changed in place, or an object with
+            # a state_dict()). The last seed's: the K seeds' state stacked [K, ...] in its objects
+            total_steps = num_iterations * T * N * run.world_size
+            raw_obs = run.start(agent, envs, optimizer, total_steps, envs.reset()[0], reward_scaler=scale_reward)
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)  # --num-seeds K: [K, ...]
-        # the phases as written; --compile makes each one graph, the gradient step with Adam written out (which
-        # --num-seeds needs too: vmap cannot run backward()), built on the restored state (ladder/compile.py)
-        prepare = make_batch
-        step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
-        if args.compile or run.seeds:
-            prepare, step = compile_phases(step, prepare)
+        phases = (make_batch, gradient_step)  # --compile: each one graph (ladder/compile.py)
+        prepare, step = map(compiled, phases) if args.compile else phases
 
         def learn(rollout):  # the batch and the update (the envs step in JAX: not in it); `agent` holds its state
-            return update(step, prepare(agent, rollout, args), args)
+            return update(
+                functools.partial(step, agent, optimizer, ppo_loss, args), prepare(agent, rollout, args), args
+            )
 
-        if run.seeds:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state (ladder/seeds.py)
-            learn = run.seeds.stack(learn, run, optimizer, agent)
+        if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
+            learn = run.stacked(learn)
         elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            learn = CudaGraph(learn, run, optimizer, agent)
+            learn = CudaGraph(learn, run)
         for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
-            raw_obs = run.each(collect_rollout, agent, envs, raw_obs, rollout, scale_reward)  # each seed's envs
+                group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
+            # --num-seeds K: the seeds' JAX envs step in turn, each seed's own objects (JAX is not vmapped by torch)
+            raw_obs = run.one_by_one(collect_rollout, agent, envs, raw_obs, rollout, scale_reward)
             stats = learn(rollout)
             if run.log(T * N, stats, finished_episodes(rollout), rollout):  # True once the target return is reached
                 break

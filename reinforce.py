@@ -25,7 +25,6 @@ Huang et al. 2022's PPO implementation details, as in ppo_cartpole_gpu.py.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -37,12 +36,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn as nn
 
-from ladder.cli import RunFlags, UsageError, check_flags, run_command_line
-from ladder.compile import compile_phases
+from ladder.cli import run_command_line
+from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients
+from ladder.distributed import mean_over_ranks
+from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.optim import Adam
+from ladder.outputs import video_writer
 from ladder.run import Run
-from ladder.video import video_writer
 
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
@@ -117,7 +118,7 @@ class CartPole:
     def draw_initial_states(self, *shape: int) -> torch.Tensor:
         """States uniform in [-0.05, 0.05], (..., n, 4) for `shape` (..., n); feature-major in memory: see `step`."""
         *lead, n = shape
-        return torch.empty(*lead, 4, n, device=self.device).uniform_(-0.05, 0.05, generator=self.generator).mT
+        return (torch.rand(*lead, 4, n, device=self.device, generator=self.generator) * 0.1 - 0.05).mT
 
     def reset(self):
         self.state = self.draw_initial_states(self.num_envs)
@@ -255,17 +256,19 @@ class RolloutNoise(NamedTuple):
 
     @staticmethod
     def draw(envs, num_steps: int) -> RolloutNoise:
-        """The Gumbel noise from torch's global generator (seeded by --seed), the states from the env's own."""
-        gumbel = -torch.empty(num_steps, envs.num_envs, envs.num_actions, device=envs.device).exponential_().log()
-        return RolloutNoise(gumbel, envs.draw_initial_states(num_steps, envs.num_envs))
+        """The Gumbel noise -log(-log U) from torch's global generator (seeded by --seed), the states from the env's."""
+        uniform = torch.rand(num_steps, envs.num_envs, envs.num_actions, device=envs.device)
+        return RolloutNoise(-(-uniform.log()).log(), envs.draw_initial_states(num_steps, envs.num_envs))
 
 
 class Batch(NamedTuple):
-    """The transitions of each env's first episode in a rollout, with what the loss needs."""
+    """A rollout's T*N transitions with what the loss needs; `first` marks those of each env's first episode, the
+    ones the loss takes (a mask keeps the batch one shape: compiled or vmapped over seeds, whatever the episodes)."""
 
     obs: torch.Tensor
     actions: torch.Tensor
     returns: torch.Tensor  # G_t
+    first: torch.Tensor  # 1.0 for a step of its env's first episode, else 0.0
 
 
 def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noise: RolloutNoise) -> torch.Tensor:
@@ -320,78 +323,79 @@ def first_episodes(dones: torch.Tensor) -> torch.Tensor:
 
 
 def reinforce_loss(agent: Agent, args: Args, batch: Batch):
-    """REINFORCE loss -mean(log pi(a|s) * G) over complete episodes; returns (loss, stats keyed by TensorBoard tag)."""
+    """REINFORCE loss -mean(log pi(a|s) * G) over complete episodes (the steps `batch.first` marks); returns (loss,
+    stats keyed by TensorBoard tag)."""
     logprob, entropy = agent(batch.obs, batch.actions)
+    mean_of = lambda x: (batch.first * x).sum() / batch.first.sum()  # over the first episodes' steps
     returns = batch.returns
     if args.normalize_returns:  # population std: a batch of one return normalises to 0, not NaN
-        returns = (returns - returns.mean()) / (returns.std(correction=0) + 1e-8)
-    pg_loss = -(logprob * returns).mean()
-    entropy_loss = entropy.mean()
+        returns = (returns - mean_of(returns)) / (mean_of((returns - mean_of(returns)).square()).sqrt() + 1e-8)
+    pg_loss = -mean_of(logprob * returns)
+    entropy_loss = mean_of(entropy)
     loss = pg_loss - args.ent_coef * entropy_loss
     stats = {"losses/policy_loss": pg_loss, "losses/entropy": entropy_loss, "losses/total_loss": loss}
     return loss, {tag: value.detach() for tag, value in stats.items()}
 
 
-def gradient_step(agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, args, batch, idx=None) -> dict:
-    """One optimizer step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of
-    it when None), with global gradient-norm clipping (detail 11); returns the loss statistics."""
-    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    average_gradients(agent)  # data parallel under torchrun
-    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
+def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
+    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
+    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
+    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
+    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
+    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
+    grad = mean_over_ranks(grad)  # data parallel under torchrun
+    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
     return stats
 
 
 def train(args: Args, envs=None) -> Agent:
     """Train REINFORCE on `envs` (default: the `--env-id` env) and return the agent. Any env with the CartPole
     interface works, e.g. the tests' probe envs. `Run` writes the outputs, also when an exception ends the run."""
-    device = torch.device(args.device)
+    device, given_envs = torch.device(args.device), envs
     with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
-        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
-        envs = make_envs(args, device, envs, run.rank)
-        if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
-            raise UsageError(f"--num-steps {args.num_steps} is below the episode limit {envs.max_episode_steps}")
-        agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
-        # the fused kernel is ~3x faster than the per-tensor loop on a small net
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own
-        total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
-        # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes in
-        # by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a state_dict()
-        run.start(agent, envs, optimizer, total_steps)
+        for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
+            torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
+            envs = make_envs(args, device, given_envs, seed + run.rank)
+            if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
+                raise UsageError(f"--num-steps {args.num_steps} is below the episode limit {envs.max_episode_steps}")
+            agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
+            optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)
+            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
+            total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
+            # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes
+            # in by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a
+            # state_dict(). The last seed's: the K seeds' state stacked [K, ...] in its objects, which go on below
+            run.start(agent, envs, optimizer, total_steps)
         storage = run.each(
             Rollout.empty, args.num_steps, args.num_envs, envs.obs_dim, device
         )  # --num-seeds K: [K, ...]
-        # the phases as written; --compile makes each one graph, the gradient step with Adam written out (which
-        # --num-seeds needs too: vmap cannot run backward()), built on the restored state (ladder/compile.py)
-        collect = collect_rollout
-        step = functools.partial(gradient_step, agent, optimizer, reinforce_loss, args)
-        if args.compile or run.seeds:
-            collect, step = compile_phases(step, collect)
-        if run.seeds:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state (ladder/seeds.py)
-            collect = run.seeds.stack(collect, run, None, envs, agent)
-        elif run.device.type in CudaGraph.devices:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
-            collect = CudaGraph(collect, run, None, envs, agent)
+        phases = (collect_rollout, gradient_step)  # --compile: each one graph (ladder/compile.py)
+        collect, step = map(compiled, phases) if args.compile else phases
 
-        def learn(storage: Rollout, steps: int):  # the update on one seed's first episodes (their number varies)
-            rollout = Rollout(*(x[:steps] for x in storage))
-            # each env's first episode only: an unbiased sample of the policy's episodes (see the module docstring)
-            first = first_episodes(rollout.dones)
+        def learn(rollout: Rollout):  # the update on each env's first episode in `rollout`, one gradient step
+            first = first_episodes(rollout.dones)  # an unbiased sample of the policy's episodes (the docstring)
             returns = compute_returns(rollout.rewards, rollout.dones, args.gamma)
-            # the update: one gradient step on the whole batch, whose size varies (--compile: one graph for every size
-            batch = Batch(rollout.obs[first], rollout.actions[first], returns[first])  # from the first, as if resumed)
-            for x in batch if args.compile else ():
+            obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten()
+            batch = Batch(obs, actions, returns.flatten(), first.flatten().float())
+            for x in batch if args.compile else ():  # one graph of the step for every number of steps, from the first
                 torch._dynamo.maybe_mark_dynamic(x, 0)
-            # log the same episodes (those of `first`); every simulated step counts
-            return step(batch), finished_episodes(rollout._replace(dones=rollout.dones & first))
+            stats = step(agent, optimizer, reinforce_loss, args, batch)
+            return stats, finished_episodes(rollout._replace(dones=rollout.dones & first))  # logged: those trained on
 
+        if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
+            collect, learn = run.stacked(collect), run.stacked(learn)
+        elif run.device.type in CudaGraph.devices:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
+            collect = CudaGraph(collect, run)
         for _ in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"] = (1 - run.counters["global_step"] / total_steps) * lr
+                group["lr"].fill_((1 - run.progress.global_step / total_steps) * lr)  # in place: see ladder/optim.py
             steps = collect_episodes(collect, run, agent, envs, storage)
-            stats, episodes = run.each(learn, storage, steps)  # --num-seeds K: each seed's update on its own
+            time = storage.dones.dim() - 2  # the steps' dimension: 0, or 1 after --num-seeds K's seeds
+            rollout = Rollout(*(x.narrow(time, 0, steps) for x in storage))
+            for x in rollout if args.compile else ():  # one graph for every number of steps
+                torch._dynamo.maybe_mark_dynamic(x, time)
+            stats, episodes = learn(rollout)
             if run.log(steps * args.num_envs, stats, episodes, storage):  # True once the target return is reached
                 break
     return agent
@@ -425,11 +429,13 @@ class SpinCart(CartPole):
         return self.state[:, 0].abs() > self.x_threshold
 
 
-def make_envs(args: Args, device: torch.device, envs=None, rank: int = 0):
-    """The `--env-id` envs (seeded per torchrun rank), or the given `envs` (e.g. a probe) checked against the flags."""
+def make_envs(args: Args, device: torch.device, envs=None, seed: int = 0):
+    """The `--env-id` envs seeded `seed`, or the given `envs` (e.g. a probe) checked against the flags."""
+    if envs is not None and args.num_seeds > 1:
+        raise UsageError("--num-seeds builds each seed's envs: give train() none")
     if envs is None:
         env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
-        envs = env_class(args.num_envs, device, args.seed + rank)
+        envs = env_class(args.num_envs, device, seed)
     if envs.num_envs != args.num_envs:
         raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
     if args.capture_video and not isinstance(envs, CartPole):  # `draw` pictures a cart and a pole

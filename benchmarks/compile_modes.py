@@ -1,9 +1,7 @@
-"""What each --compile path costs: ppo_cartpole_gpu.py's training SPS eager and compiled, for the changes that take
-each path, side by side in one run. Prints one markdown table with the command and the machine.
-
-- plain Adam (the script as it is): --compile makes the whole gradient step one graph, Adam's update written out;
-- AdamW with two param groups, or a first layer shared by actor and critic: --compile compiles the loss's forward
-  and backward (torch.compile of the loss function) and calls the optimizer's own step() after them.
+"""What --compile gains for a copy's changes: ppo_cartpole_gpu.py's training SPS eager and compiled, as written,
+with AdamW in two param groups and with a first layer shared by actor and critic, side by side in one run. All take
+the script's own gradient_step compiled (ladder.optim.Adam: one path). Prints one markdown table with the command
+and the machine.
 
     python benchmarks/compile_modes.py                       # 128 and 4096 envs, 300k steps (at least 20 iterations)
     python benchmarks/compile_modes.py --num-envs 4096 --repeats 3
@@ -24,6 +22,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_cartpole_gpu as ours  # noqa: E402
 from common import cores, machine, train_and_summarize  # noqa: E402
+from ladder.optim import Adam  # noqa: E402
 
 
 @dataclass
@@ -44,12 +43,12 @@ class SharedFirstLayer(ours.Agent):
         self.actor[0] = self.critic[0]
 
 
-def adamw_two_groups(params, lr, **kwargs):
-    """AdamW, weight decay on the weight matrices only (train() calls it as it calls torch.optim.Adam)."""
-    params = list(params)
+def adamw_two_groups(agent, lr, **kwargs):
+    """AdamW's decay on the weight matrices only (train() calls it as it calls ladder.optim.Adam)."""
+    params = list(agent.parameters())
     groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": 1e-2},
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]  # fmt: skip
-    return torch.optim.AdamW(groups, lr=lr, **kwargs)
+    return Adam(agent, groups, lr=lr, **kwargs)
 
 
 CHANGES = {"plain Adam (as written)": {}, "AdamW, two param groups": {"Adam": adamw_two_groups},
@@ -57,9 +56,9 @@ CHANGES = {"plain Adam (as written)": {}, "AdamW, two param groups": {"Adam": ad
 
 
 def sps(change: dict, num_envs: int, steps: int, compile: bool) -> float:
-    """Training SPS of ppo_cartpole_gpu.py with `change` made (names in the script, or torch.optim's Adam)."""
-    adam, agent = torch.optim.Adam, ours.Agent
-    torch.optim.Adam, ours.Agent = change.get("Adam", adam), change.get("Agent", agent)
+    """Training SPS of ppo_cartpole_gpu.py with `change` made (names in the script)."""
+    adam, agent = ours.Adam, ours.Agent
+    ours.Adam, ours.Agent = change.get("Adam", adam), change.get("Agent", agent)
     torch.set_num_threads(cores() if num_envs >= ours.THREADED_FROM_ENVS else 1)
     try:
         args = ours.Args(num_envs=num_envs, total_timesteps=max(steps, 20 * 16 * num_envs), target_return=None,
@@ -67,7 +66,7 @@ def sps(change: dict, num_envs: int, steps: int, compile: bool) -> float:
         with redirect_stdout(io.StringIO()):  # the runs' result lines
             return train_and_summarize(ours, args)["mean_sps"]
     finally:
-        torch.optim.Adam, ours.Agent = adam, agent
+        ours.Adam, ours.Agent = adam, agent
 
 
 def main() -> None:
@@ -80,14 +79,13 @@ def main() -> None:
     show = lambda xs: f"{statistics.median(xs):,.0f}" + (f" ({min(xs):,.0f}–{max(xs):,.0f})" if len(xs) > 1 else "")
     print(f"`python benchmarks/compile_modes.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print(f"\n{machine()}; {bench.steps:,} steps per run (at least 20 iterations), median of {bench.repeats}\n")
-    print("| change | envs | eager SPS | --compile SPS | compiled / eager | --compile's gradient step |")
-    print("|---|---|---|---|---|---|")
+    print("| change | envs | eager SPS | --compile SPS | compiled / eager |")
+    print("|---|---|---|---|---|")
     for name in CHANGES:
         for n in bench.num_envs:
             eager, fast = runs[name, n, False], runs[name, n, True]
-            path = "one graph, Adam written out" if not CHANGES[name] else "compiled loss + the optimizer's step()"
             ratio = statistics.median(fast) / statistics.median(eager)
-            print(f"| {name} | {n} | {show(eager)} | {show(fast)} | {ratio:.2f}x | {path} |")
+            print(f"| {name} | {n} | {show(eager)} | {show(fast)} | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":

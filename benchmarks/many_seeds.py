@@ -1,14 +1,15 @@
 """K seeds to a fixed number of env steps each, wall time from launch to the last result and the peak memory, all in
 one run: ppo_cartpole_gpu.py run K times one after another (CleanRL's way), the same with `--num-seeds K` in one
-process (eager and `--compile`), the JAX peer (benchmarks/jax_ppo_cartpole.py) run K times, and the JAX peer with all
+process, the JAX peer (benchmarks/jax_ppo_cartpole.py) run K times, and the JAX peer with all
 K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tables with the command and the machine.
 
     python benchmarks/many_seeds.py                                   # 16 seeds x 500k steps, ~20 minutes on 2 cores
-    python benchmarks/many_seeds.py --seeds 4 --steps 200000 --no-compile
+    python benchmarks/many_seeds.py --seeds 4 --steps 200000
     python benchmarks/many_seeds.py --scaling 1 4 16 64 --steps 100000 --plot docs/many_seeds.png  # time per seed
     python benchmarks/many_seeds.py --brax 8 --steps 100000            # Brax inverted_pendulum, 8 seeds
     python benchmarks/many_seeds.py --statistics 16   # the defaults to the target: --num-seeds 16 learns as 16 runs?
     python benchmarks/many_seeds.py --profile 16 --steps 100000  # where --num-seeds 16's time goes, by part and op
+    python benchmarks/many_seeds.py --flat 16 256   # the host's work against K: 40 tiny iterations, K = 16 and 256
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import jax
@@ -43,8 +44,8 @@ class ManySeedsArgs:
     """K: seeds 1..K"""
     steps: int = 500_000
     """env steps per seed (no target: every run goes the whole way)"""
-    compile: bool = True
-    """a row for `--num-seeds K --compile` (one compilation of the stacked iteration, counted)"""
+    compile: bool = False
+    """a row for `--num-seeds K --compile`: refused at start for now (docs/running.md#many-seeds says why)"""
     scaling: list[int] = field(default_factory=list)
     """instead: wall time per seed of `--num-seeds K` for each K given (and 1), in one process each"""
     plot: Optional[str] = None
@@ -57,6 +58,33 @@ class ManySeedsArgs:
     profile: int = 0
     """instead: where the time of `--num-seeds` this many goes (--steps each, in this process, the default device):
     the stacked calls, `run.each`, the seeds' logs, the rest; and the top ops of one stacked call"""
+    tiny: bool = False
+    """with --profile: FLAT's sizes (4 envs x 8 steps, 2 minibatches, one thread), where the host's work shows"""
+    flat: list[int] = field(default_factory=list)
+    """instead: the host's work against K, for each K given (e.g. 16 256): the small command FLAT (4 envs x 8 steps,
+    40 iterations, one thread, a process each) timed from launch to exit, and its training seconds"""
+
+
+FLAT = ["--num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--total-timesteps", "1280", "--target-return",
+        "None", "--eval-episodes", "0", "--no-progress-bar", "--torch-threads", "1"]  # fmt: skip
+"""40 iterations so small that the host's work is most of each: `ppo_cartpole_gpu.py --num-seeds K` + FLAT."""
+
+
+def flat(ks: list[int], py: str, script: str) -> None:
+    """`--num-seeds K` + FLAT for each K, one fresh process each: the training seconds (summary.json's wall_seconds),
+    launch to exit, and the two against the first K's (training ratio: the host's work per iteration against K)."""
+    rows = []
+    for k in ks:
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            subprocess.run([py, script, "--num-seeds", str(k), *FLAT], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+            total = time.perf_counter() - start
+            seeds = [s for s in map(read_summary, glob.glob(os.path.join(tmp, "runs", "*"))) if "run_dirs" not in s]
+            rows.append((k, seeds[0]["wall_seconds"], total))
+    print(f"\n`ppo_cartpole_gpu.py --num-seeds K {' '.join(FLAT)}`, one process each\n")
+    print("| K | training s | launch to exit s | outside training s | training vs first K |\n|---|---|---|---|---|")
+    for k, train, total in rows:
+        print(f"| {k} | {train:.2f} | {total:.1f} | {total - train:.1f} | {train / rows[0][1]:.2f}x |")
 
 
 def timed(commands: list[list[str]]) -> tuple[float, float]:
@@ -124,19 +152,23 @@ def statistics(k: int, py: str, script: str) -> None:
     print(f"\nsteps to solve, apart against stacked: two-sided permutation p = {p:.2f} (mean ranks, 100,000 shuffles)")
 
 
-def profile(k: int, steps: int) -> None:
-    """--num-seeds K timed by part: the stacked calls (the vmapped iteration, all seeds' device work), `run.each` (each
-    seed's noise from its own generators), the seeds' logs (one host read, then each seed's TensorBoard), and the rest
-    (the loop's Python, the set-up); then the ops that took the most time in the third stacked call (torch.profiler)."""
+def profile(k: int, steps: int, tiny: bool = False) -> None:
+    """--num-seeds K timed by part: the stacked calls (the vmapped iteration, all seeds' device work), `run.each` (the
+    seeds' noise, all drawn in one vmapped call), the logs (one host read, the seeds' counters in arrays, the outputs
+    every 10 s), and the rest (the loop's Python, the set-up); then the ops that took the most time in the third
+    stacked call (torch.profiler)."""
     import functools
 
     from torch.profiler import profile as torch_profile
 
     import ladder.run
-    import ladder.seeds
+    import ladder.stacked
     import ppo_cartpole_gpu as P
 
     args = P.Args(num_seeds=k, total_timesteps=steps, target_return=None, progress_bar=False, eval_episodes=0)
+    if tiny:
+        args = replace(args, num_envs=4, num_steps=8, num_minibatches=2, total_timesteps=1280)
+        torch.set_num_threads(1)
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else lambda: None  # time the device's work too
     seconds, calls, ops = {}, [0], []
@@ -153,39 +185,37 @@ def profile(k: int, steps: int) -> None:
 
         return wrapper
 
-    def vmapped(seeds, *a):
-        unprofiled = vmapped_as_written(seeds, *a)
-        call = clocked("calls", unprofiled)
+    call_as_written = ladder.stacked.Stacked.call
 
-        def counted(*inputs):
-            calls[0] += 1
-            if calls[0] != 3:  # the third: warm (a CUDA graph recorded, a compiled graph built); it and the
-                return call(*inputs)  # profiler's own cost are left out of the times
-            start = time.perf_counter()
-            with torch_profile() as prof:
-                out = unprofiled(*inputs)
-                sync()
-            ops.append(prof)
-            seconds["profiled"] = time.perf_counter() - start
-            return out
+    def call(stack, fn, *inputs):
+        if fn.__name__ != "one_iteration":  # `run.each`'s calls: counted there
+            return call_as_written(stack, fn, *inputs)
+        calls[0] += 1
+        if calls[0] != 3:  # the third: warm (a CUDA graph recorded, a compiled graph built); it and the profiler's
+            return clocked("calls", call_as_written)(stack, fn, *inputs)  # own cost are left out of the times
+        start = time.perf_counter()
+        with torch_profile() as prof:
+            out = call_as_written(stack, fn, *inputs)
+            sync()
+        ops.append(prof)
+        seconds["profiled"] = time.perf_counter() - start
+        return out
 
-        return counted
-
-    vmapped_as_written = ladder.seeds.Seeds.vmapped
-    ladder.seeds.Seeds.vmapped = vmapped
-    ladder.seeds.Seeds.each = clocked("each", ladder.seeds.Seeds.each)
-    ladder.seeds.Seeds.log = clocked("log", ladder.seeds.Seeds.log)
+    ladder.stacked.Stacked.call = call
+    ladder.stacked.Stacked.each = clocked("each", ladder.stacked.Stacked.each)
+    ladder.run.Run.log = clocked("log", ladder.run.Run.log)
     start = time.perf_counter()
-    ladder.seeds.train_seeds(P.train, args)
+    P.train(args)
     profiled = seconds.get("profiled", 0.0)
     wall, n = time.perf_counter() - start - profiled, calls[0] - bool(profiled)
     parts = {
         "the stacked calls (the vmapped iteration)": seconds["calls"],
-        f"`run.each`: the {k} seeds' noise, each from its own generators": seconds["each"],
-        f"the seeds' logs: one host read, then {k} seeds' TensorBoard": seconds["log"],
-        "the rest (the loop's Python, the set-up)": wall - seconds["calls"] - seconds["each"] - seconds["log"],
+        f"`run.each`: the {k} seeds' noise, in one vmapped call": seconds["each"],
+        "the logs: one host read, the counters, the outputs every 10 s": seconds["log"],
+        "the rest (the loop's Python, the set-up, the end)": wall - seconds["calls"] - seconds["each"] - seconds["log"],
     }
-    title = f"`--num-seeds {k}`, {steps:,} steps each, {args.device}: {n} iterations (the profiled one left out)"
+    size = f"{args.total_timesteps:,} steps each, {args.device}"
+    title = f"`--num-seeds {k}`, {size}: {n} iterations (the profiled one left out)"
     print(f"\n| {title} | s | share | ms per iteration |\n|---|---|---|---|")
     for part, s in {"the whole run": wall, **parts}.items():
         print(f"| {part} | {s:.1f} | {100 * s / wall:.0f}% | {1000 * s / n:.1f} |")
@@ -194,6 +224,9 @@ def profile(k: int, steps: int) -> None:
         averages = ops[0].key_averages()
         total, count = sum(map(key, averages)), sum(e.count for e in averages)
         print(f"\nThe third stacked call: {count:,} op calls, {total / 1e3:.0f} ms of {'GPU' if gpu else 'CPU'} time")
+        if not gpu:  # the rest of its wall time: Python and dispatch (vmap's included), what the host adds
+            wall_ms = 1e3 * seconds["profiled"]
+            print(f"(its wall time, profiled, {wall_ms:.0f} ms: {wall_ms - total / 1e3:.0f} ms outside the ops)")
         print("\n| op | ms | calls |\n|---|---|---|")
         for e in sorted(averages, key=key, reverse=True)[:12]:
             print(f"| `{e.key}` | {key(e) / 1e3:.1f} | {e.count} |")
@@ -206,10 +239,12 @@ def main() -> None:
     script = os.path.join(ROOT, "ppo_cartpole_gpu.py")
     ours = [py, script, "--total-timesteps", steps, "--target-return", "None", *quiet]
     print(f"`python {' '.join(sys.argv)}` on {machine(jax)}, {time.strftime('%Y-%m-%d')}", file=sys.stderr)
-    if bench.statistics:
+    if bench.flat:
+        flat(bench.flat, py, script)
+    elif bench.statistics:
         statistics(bench.statistics, py, script)
     elif bench.profile:
-        profile(bench.profile, bench.steps)
+        profile(bench.profile, bench.steps, bench.tiny)
     elif bench.brax:
         k = bench.brax
         brax = [py, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", "inverted_pendulum", "--total-timesteps",

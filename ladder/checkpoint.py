@@ -1,15 +1,12 @@
-"""Checkpoints: what <run folder>/checkpoint.pt holds, how it is written (atomically) and read back by --resume."""
-
-from __future__ import annotations
+"""checkpoint.pt written atomically and read back (--resume, --load-model), summary.json, loading in place."""
 
 import json
 import os
-from dataclasses import asdict
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-import torch.utils._pytree as pytree
+
+from ladder.flags import UsageError
 
 
 def read_summary(folder: Optional[str]) -> Optional[dict]:
@@ -21,17 +18,15 @@ def read_summary(folder: Optional[str]) -> Optional[dict]:
 
 
 def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
-    """The checkpoint at `path` (or `path`/checkpoint.pt; with --load-model a model too) as plain data, on the CPU;
-    one written by a script other than `script` (a file name) is refused."""
-    from ladder.cli import UsageError
-
+    """The checkpoint at `path` or `path`/checkpoint.pt (--load-model: a model too), on the CPU, unless another script
+    wrote it; of an aggregate folder: its first seed's, with the flags of K seeds."""
     file = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(file) and os.path.isfile(os.path.join(path, "summary.json")):  # K seeds' aggregate folder:
-        dirs = read_summary(path).get("run_dirs") or [file]  # the first seed's checkpoint (a run's own: none)
-        saved = read_checkpoint(dirs[0], script, flag)
-        return saved | {"args": saved["args"] | {"num_seeds": len(dirs)}}
+    if not os.path.isfile(file) and (summary := read_summary(path)) and summary.get("run_dirs"):
+        saved = read_checkpoint(summary["run_dirs"][0], script, flag)
+        return saved | {"args": saved["args"] | {"num_seeds": len(summary["run_dirs"])}}
     if not os.path.isfile(file):
-        raise UsageError(f"{flag} {path}: no such file")
+        where = "a folder with no checkpoint.pt" if os.path.isdir(path) else "no such file or folder"
+        raise UsageError(f"{flag} {path}: {where}")
     try:
         saved = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holding objects other than plain data
@@ -43,10 +38,23 @@ def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
     return saved
 
 
+def write_atomically(path: str, contents: dict) -> None:
+    """`contents` saved at `path` through a temporary file, then renamed: a kill mid-write leaves the old file."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(contents, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
+    os.replace(path + ".tmp", path)
+
+
+def state(obj):
+    """What a checkpoint keeps of a tensor (itself) or of an object (its state_dict)."""
+    return obj if torch.is_tensor(obj) else obj.state_dict()
+
+
 def load_in_place(obj, saved) -> None:
-    """`obj` as `saved` has it, in place: a tensor copied into, an object through its load_state_dict; an optimizer's
-    param groups stay the dicts they were (torch's load_state_dict makes new ones, and a reference the code took to one
-    before, to anneal its rate, would go dead)."""
+    """`obj` as `saved` has it, in place; an optimizer's param groups stay the dicts they were (torch's makes new ones:
+    a reference the code took to one, to anneal its rate, would go dead)."""
     if torch.is_tensor(obj):
         obj.copy_(saved)
         return
@@ -56,56 +64,3 @@ def load_in_place(obj, saved) -> None:
         for group, loaded in zip(groups, obj.param_groups):
             group.update(loaded)
         obj.param_groups = groups
-
-
-def state(obj):
-    """What a checkpoint keeps of a tensor (itself) or of an object (its state_dict)."""
-    return obj if torch.is_tensor(obj) else obj.state_dict()
-
-
-def save_checkpoint(run) -> None:
-    """`run`'s checkpoint.pt: the state given to `run.start` and, from every torchrun rank, its RNGs and envs, with
-    the counters and the recent returns; written to a temporary file, then renamed (a kill mid-write leaves the old)."""
-    from ladder.distributed import ranks_apart
-
-    cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
-    envs = run.envs.state_dict() if hasattr(run.envs, "state_dict") else None  # EnvPool's emulators: none
-    # each rank's own state on the CPU: gathered under NCCL, a CUDA tensor of rank r would be rebuilt on cuda:r
-    on_cpu = lambda x: x.cpu() if torch.is_tensor(x) else x
-    own = {k: pytree.tree_map(on_cpu, state(v)) for k, v in run.stateful.items() if k in run.per_rank}
-    ranks = [mine := {"rng": torch.get_rng_state(), "cuda_rng": cuda, "envs": envs, "state": own}]
-    if run.world_size > 1:  # every rank's RNGs, envs and own state, to rank 0
-        mine["apart"] = ranks_apart(run)
-        dist.gather_object(mine, ranks := [None] * run.world_size if run.rank == 0 else None, dst=0)
-    run.checkpointed = run.counters["iteration"]
-    if run.rank != 0:
-        return
-    checkpoint = {k: state(v) for k, v in run.stateful.items() if k not in own} | {"ranks": ranks, "script": run.script}
-    checkpoint |= dict(args=asdict(run.args), counters=run.counters, recent_returns=list(run.recent_returns))
-    checkpoint["wandb_id"] = run.wandb and run.wandb.id
-    path = os.path.join(run.dir, "checkpoint.pt")
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
-    os.replace(path + ".tmp", path)  # atomic
-
-
-def restore_progress(run, saved: dict, obs):
-    """--resume, once the state given to `run.start` is loaded: the counters, recent returns, this rank's RNGs and
-    envs as `saved` has them; returns the envs' observation (`obs` where the envs have no state_dict)."""
-    from ladder.cli import UsageError
-
-    run.counters.update(saved["counters"])
-    done = run.counters["target_reached"] and saved["args"]["target_return"] == run.args.target_return
-    if done or run.counters["global_step"] >= run.total_steps:  # a finished run would only evaluate again
-        raise UsageError(f"--resume {run.args.resume}: the run has ended; raise --total-timesteps or --target-return")
-    run.recent_returns.extend(saved["recent_returns"])
-    run.checkpointed, mine = run.counters["iteration"], saved["ranks"][run.rank]
-    torch.set_rng_state(mine["rng"])
-    if mine["cuda_rng"] is not None and run.device.type == "cuda":
-        torch.cuda.set_rng_state(mine["cuda_rng"], run.device)
-    obs = obs if mine["envs"] is None else run.envs.load_state_dict(mine["envs"])
-    anew = "; the envs have no state_dict(), so their episodes start anew" if mine["envs"] is None else ""
-    run.note(f"resumed {run.dir} at step {run.counters['global_step']:,}{anew}")
-    return obs

@@ -1,93 +1,24 @@
-"""The command line: the run's flags every script's `Args` inherits, one-line errors, and `main`."""
-
-from __future__ import annotations
+"""The command line: the flags parsed and checked, torchrun joined, `train` run, its end turned into one line."""
 
 import contextlib
 import difflib
 import importlib.util
 import io
-import math
 import os
 import re
 import shutil
 import signal
 import sys
 import time
-from dataclasses import FrozenInstanceError, dataclass, fields, replace
+from dataclasses import FrozenInstanceError, fields, replace
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import tyro
 
 from ladder.checkpoint import read_checkpoint
-
-
-class UsageError(Exception):
-    """A bad flag, a wrong combination of flags or a missing package: one `error: ...` line, exit code 2."""
-
-
-@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
-class RunFlags:
-    """The run's length and its management. A script's `Args` adds the algorithm's flags, which a --resume keeps as
-    the checkpoint has them; these it may change. A script overrides a default by declaring the field again."""
-
-    total_timesteps: int = 5_000_000
-    """upper bound on env steps, all torchrun ranks together (training may stop earlier: `target-return`)"""
-    target_return: Optional[float] = None
-    """stop once the mean return of the last 100 episodes reaches this (None: never)"""
-    exp_name: str = "experiment"
-    """the name of this experiment (part of the run folder's name)"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device to run everything on (cuda when available, else cpu)"""
-    torch_threads: int = 0
-    """CPU threads for torch (ignored on GPU); 0: one per core, or one where the script's nets are too small to share"""
-    compile: bool = False
-    """torch.compile the phases of an iteration (iteration 1 compiles: not counted in SPS)"""
-    cuda_graph: bool = True
-    """on a GPU, record an iteration's device work once as a CUDA graph and replay it; --no-cuda-graph: the loop as
-    written (docs/running.md: GPU). On the CPU it changes nothing"""
-    num_seeds: int = 1
-    """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "rl-ladder"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None uses your default"""
-    wandb_group: Optional[str] = None
-    """the W&B group of the run (--num-seeds: each seed's run in the group of their aggregate folder's name)"""
-    capture_video: bool = False
-    """film the policy every `video-interval` iterations and in the final evaluation (videos/ in the run folder)"""
-    video_interval: int = 25
-    """iterations between two videos, the first at iteration 1 (0: no videos during training)"""
-    save_model: bool = False
-    """save the agent's weights to the run folder at the end (also on Ctrl-C)"""
-    checkpoint_interval: int = 1000
-    """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
-    resume: Optional[str] = None
-    """a run folder (or its checkpoint.pt) to go on from: omitted flags keep its values; only these run flags change"""
-    eval_only: bool = False
-    """no training: play `eval-episodes` episodes with the `load-model` weights (filmed with --capture-video)"""
-    load_model: Optional[str] = None
-    """the weights for --eval-only: a saved .cleanrl_model or a checkpoint.pt"""
-    eval_episodes: int = 10
-    """episodes the greedy policy plays after training (0 skips the evaluation)"""
-    progress_bar: bool = True
-    """show a live progress bar with SPS, the recent return and the time left"""
-
-
-RUN_FLAGS = {f.name for f in fields(RunFlags)}
-"""The flags a --resume may change; every other field of a script's `Args` is the algorithm's."""
-
-
-def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
-    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
-    for name, (ok, rule) in rules.items():
-        value = getattr(args, name)
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file
 
 
 def check_run_flags(args) -> torch.device:
@@ -96,10 +27,8 @@ def check_run_flags(args) -> torch.device:
     gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
     cuda = args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1]
     rules = {name: (getattr(args, name) >= 0, ">= 0") for name in counts}
-    rules["device"] = (
-        args.device == "cpu" or cuda,
-        f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)",
-    )
+    needs = f"cpu, or cuda with a CUDA GPU per process ({gpus[0]} found, {gpus[1]} needed)"
+    rules["device"] = (args.device == "cpu" or cuda, needs)
     check_flags(args, rules)
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
@@ -107,6 +36,8 @@ def check_run_flags(args) -> torch.device:
     for flag, module, pin in (("capture_video", "imageio", "imageio==2.38.1"), ("track", "wandb", "wandb==0.31.0")):
         if getattr(args, flag) and importlib.util.find_spec(module) is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}")
+    if args.compile and args.num_seeds > 1:  # docs/running.md#many-seeds says why
+        raise UsageError("--compile does not yet go with --num-seeds: dynamo cannot trace the stacked seeds' state")
     if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
         raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
     if args.resume:  # one rule: the checkpoint's algorithm flags, all but the run's (`RunFlags`), are kept
@@ -119,12 +50,6 @@ def check_run_flags(args) -> torch.device:
         if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
             raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
     return torch.device(args.device)
-
-
-def script_file(Args: type) -> str:
-    """The file name of the script that defines `Args` (a copy's own name): a checkpoint says which script wrote it."""
-    module = sys.modules.get(Args.__module__)
-    return os.path.basename(getattr(module, "__file__", None) or f"{Args.__module__}.py")
 
 
 def parse_args(Args):
@@ -165,11 +90,7 @@ def set_threads(args, threaded_from_envs: int) -> None:
 
 
 def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
-    """`python script.py [flags]`: parse the flags, join torchrun's group, set the threads, train (--num-seeds K: K
-    seeds stacked), and end in one line: a usage error exits 2, a NaN loss 1, a signal 128 + its number. Below
-    `threaded_from_envs` envs torch gets one thread (docs/running.md: "Threads and a busy machine")."""
-    from ladder.seeds import train_seeds
-
+    """`python script.py [flags]`: parse, join torchrun, set threads, train; end in one line (exit 2: usage, 1: NaN)."""
     try:
         args = parse_args(Args)
         device = check_run_flags(args)
@@ -179,7 +100,7 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
         if device.type == "cpu":
             set_threads(args, threaded_from_envs)
-        train_seeds(train, replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
+        train(replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
     except UsageError as e:
         rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
@@ -191,12 +112,10 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
     except KeyboardInterrupt as e:  # a signal: stopped after an iteration (carrying its number), while compiling
         signum = e.args[0] if e.args else signal.SIGINT  # (its number and why), or a second Ctrl-C
-        from ladder.run import Run
-
         checkpoint = ", with a checkpoint" if len(e.args) == 1 else ""
-        if checkpoint and Run.resumable:  # the whole command, to copy
+        if checkpoint and getattr(e, "resume", None):  # the folder `Run` stopped with a checkpoint: the command
             launch = f"torchrun --nproc-per-node {dist.get_world_size()}" if dist.is_initialized() else "python"
-            checkpoint += f"; go on with: {launch} {sys.argv[0]} --resume {Run.resumable}"
+            checkpoint += f"; go on with: {launch} {sys.argv[0]} --resume {e.resume}"
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM

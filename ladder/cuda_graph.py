@@ -1,23 +1,21 @@
-"""--cuda-graph: an iteration's device work recorded once as a CUDA graph and replayed, its thousands of kernel
-launches from Python made one."""
-
-from __future__ import annotations
+"""--cuda-graph: an iteration's device work recorded once as a CUDA graph and replayed: thousands of launches as one."""
 
 import contextlib
 import os
 import time
 import traceback
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ladder.flags import your_line
+from ladder.optim import Adam
+
 
 class HostWatch(torch.overrides.TorchFunctionMode):
-    """Call 1's watch (eager code only: dynamo would trace a mode) for the first torch call that waits for the host or
-    mixes a CPU tensor (a scalar) into CUDA ones: a recording cannot hold the one and would keep the other's value."""
+    """Call 1's watch (eager only) for a host read, which a graph cannot hold, or a CPU tensor meeting CUDA ones."""
 
     def __init__(self, graph):
         super().__init__()
@@ -29,36 +27,30 @@ class HostWatch(torch.overrides.TorchFunctionMode):
             out = func(*args, **(kwargs or {}))
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         devices = {x.device.type for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
-        if (syncs or {"cpu", "cuda"} <= devices) and not self.graph.reason:  # where: the innermost line not torch's
-            torch_dir = os.path.dirname(torch.__file__)
-            here = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)]
+        if (syncs or {"cpu", "cuda"} <= devices) and not self.graph.reason:
             why = "it waits for the host" if syncs else "a CPU tensor meets CUDA ones"
-            self.graph.reason = f"{why} at {here[-1].filename}:{here[-1].lineno}"
+            self.graph.reason = f"{why} at {your_line(traceback.extract_stack()[:-1])}"
         for w in caught if not syncs else ():
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return out
 
 
 class CudaGraph:
-    """`fn` (tensors in and out: an iteration's device work) recorded once as a CUDA graph: its thousands of launches
-    from Python become one. Call 1 runs it as written, watching for host reads; call 2 records it; every call replays
-    it on the memory recorded (inputs, and the tensors it leaves on the `state` objects, copied in; outputs cloned).
-    What cannot be recorded runs as written, with a note. Python values are replayed as recorded: what changes must be
-    a tensor. `state`: the modules and objects (the envs) whose tensors `fn` reads and replaces."""
+    """`fn` (tensors in and out) recorded as a CUDA graph. Call 1 runs it, watching for host reads; call 2 records it;
+    later calls replay it on the recorded memory (inputs and `run`'s objects' state copied in, outputs cloned), Python
+    values as recorded. What cannot be recorded runs as written, with a note."""
 
     devices = ("cuda",)  # where an iteration is given to a CudaGraph (tests add "cpu": `record` then replays `body`)
 
-    def __init__(self, fn, run, optimizer: Optional[torch.optim.Optimizer] = None, *state):
-        self.fn, self.run, self.replay, self.calls, state = fn, run, None, 0, run.holding(state)
+    def __init__(self, fn, run):
+        self.fn, self.run, self.replay, self.calls, optimizer = fn, run, None, 0, run.optimizer
+        state = [v for v in run.stateful.values() if not torch.is_tensor(v) and v is not optimizer]
         tables = [m._buffers for obj in state if isinstance(obj, nn.Module) for m in obj.modules()]
         tables += [vars(obj) for obj in state if not isinstance(obj, nn.Module)]  # an env's state, a module's buffers
         self.slots = [(table, k) for table in tables for k, v in table.items() if torch.is_tensor(v)]
-        capturable = optimizer is None or "capturable" in optimizer.defaults
-        self.groups = optimizer.param_groups if optimizer and capturable and run.device.type == "cuda" else []
-        self.lrs = [torch.zeros((), device=run.device) for _ in self.groups]
         self.reason = None if run.args.cuda_graph else ""  # None: to be recorded; "": not, silently
-        if self.reason is None and not capturable:
-            self.reason = f"{type(optimizer).__name__} has no capturable mode"
+        if self.reason is None and not isinstance(optimizer, Adam):  # its rates: device tensors a replay reads
+            self.reason = f"{type(optimizer).__name__} is not ladder.optim.Adam, whose step a graph can hold"
         elif self.reason is None and run.world_size > 1:
             self.reason = "under torchrun the gradients' all-reduce is not recorded"
 
@@ -73,10 +65,8 @@ class CudaGraph:
         fits = lambda x, static: x.shape == static.shape if torch.is_tensor(x) else x is static  # noqa: E731
         if self.replay is None or not all(map(fits, leaves, self.static)):
             first = self.calls == 1 and self.reason is None and self.run.device.type == "cuda"
-            with self.rates(), self.warm_up() if first else contextlib.nullcontext():
+            with self.warm_up() if first else contextlib.nullcontext():
                 return self.fn(*args)
-        for lr, group in zip(self.lrs, self.groups):
-            lr.fill_(group["lr"])
         for x, static in zip(leaves, self.static):
             if torch.is_tensor(x) and x is not static:
                 static.copy_(x)
@@ -88,23 +78,10 @@ class CudaGraph:
         return pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, out)
 
     def hold(self) -> None:
-        """The `state` objects' tensors, where new ones replaced them (`fn` out of place, a reset), copied into the
-        recorded ones."""
+        """State tensors that `fn` replaced (out of place, a reset) copied into the recorded ones."""
         for (table, k), static in zip(self.slots, self.static_slots):
             if table[k] is not static:
                 table[k] = static.copy_(table[k])
-
-    @contextlib.contextmanager
-    def rates(self):
-        """Learning rates as device tensors, as a replay reads them (and fused Adam rounds: recorded or not, alike)."""
-        saved = [(group["lr"], group["capturable"]) for group in self.groups]
-        for group, lr in zip(self.groups, self.lrs):
-            group["lr"], group["capturable"] = lr.fill_(group["lr"]), True
-        try:
-            yield
-        finally:
-            for group, (lr, capturable) in zip(self.groups, saved):
-                group["lr"], group["capturable"] = lr, capturable
 
     @contextlib.contextmanager
     def warm_up(self):
@@ -126,12 +103,10 @@ class CudaGraph:
                 self.reason = self.reason or f"it waits for the host at {w.filename}:{w.lineno}"
 
     def start_recording(self, leaves, spec) -> None:
-        """Call 2: `fn` recorded on copies of the inputs and on the `state` objects' tensors as they are (no work is
-        done)."""
+        """Call 2: `fn` recorded (no work done) on copies of the inputs and on the state tensors as they are."""
         start, saved = time.perf_counter(), [(table, k, table[k]) for table, k in self.slots]
-        # an input that is one of the `state` objects' tensors (the obs a reset returned) stays that tensor, as in the
-        # warm-up:
-        # compiled code is specialised on which inputs alias, and would compile again inside the recording (and fail)
+        # an input that is a state tensor (the obs a reset returned) stays that tensor, as in the warm-up: compiled
+        # code is specialised on which inputs alias, and would compile again inside the recording (and fail)
         self.static_slots = held = [v for *_, v in saved]
         self.static = [x if any(x is v for v in held) or not torch.is_tensor(x) else x.clone() for x in leaves]
         cuda = self.run.device.type == "cuda"  # a failed recording leaves torch's CUDA generator unusable: a clone
@@ -144,8 +119,7 @@ class CudaGraph:
             return out
 
         try:
-            with self.rates():
-                self.replay = self.record(body)
+            self.replay = self.record(body)
         except Exception as e:  # a host read or a CPU tensor during the recording, an op CUDA graphs cannot hold
             for table, k, v in saved:
                 table[k] = v

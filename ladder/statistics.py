@@ -1,14 +1,10 @@
-"""Statistics across seeds, as rliable (Agarwal et al. 2021) computes them: the interquartile mean with a stratified
-bootstrap confidence interval, and the aggregate of runs' summary.json files in one line."""
-
-from __future__ import annotations
+"""Statistics across seeds as rliable (Agarwal et al. 2021) computes them: the IQM and its stratified bootstrap CI."""
 
 import numpy as np
 
 
 def iqm(scores: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Interquartile mean: the mean of the middle half, after dropping floor(n/4) scores from each end (as
-    scipy.stats.trim_mean(scores, 0.25), which rliable uses)."""
+    """The mean of the middle half, floor(n/4) scores dropped from each end (scipy.stats.trim_mean(scores, 0.25))."""
     n = scores.shape[axis]
     return np.sort(scores, axis=axis).take(range(n // 4, n - n // 4), axis=axis).mean(axis=axis)
 
@@ -23,8 +19,8 @@ def stratified_bootstrap_ci(scores: dict[str, np.ndarray], reps: int = 10_000, s
 
 
 def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
-    """Runs' summary.json files in one (rliable, Agarwal et al. 2021): how many reached the target, the median and
-    IQR of the steps to solve, the IQM of the final evaluations with a 95% bootstrap CI; None where none has it."""
+    """Runs' summary.json files in one: how many reached the target, the median and IQR of the steps to solve, the
+    final evaluations' IQM with a 95% bootstrap CI (None where none has it)."""
     steps = np.array([s["solved_at_step"] for s in summaries if s["solved_at_step"] is not None], dtype=float)
     evals: dict[str, list[float]] = {}
     for s in summaries:

@@ -302,12 +302,29 @@ def small_args(module, **flags):
     return module.Args(**flags)
 
 
+def train_seeds(module, args) -> list:
+    """`module.train(args)` with --num-seeds K as main() runs it: each seed's agent (its own objects, built by its pass
+    of `for seed in run.seeds():`, holding its own state after the run)."""
+    agents, start = [], module.Run.start
+
+    def recording(self, agent, *rest, **stateful):
+        agents.append(agent)
+        return start(self, agent, *rest, **stateful)
+
+    module.Run.start = recording
+    try:
+        agent = module.train(args)
+    finally:
+        module.Run.start = start
+    return agents if args.num_seeds > 1 else [agent]
+
+
 def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:
     """Send this process SIGTERM while iteration `iteration` is being logged (Run then stops after it)."""
     real_log = module.Run.log
 
     def log(self, *args, **kwargs):
-        if self.counters["iteration"] == iteration - 1 and not self.args.resume:
+        if self.progress.iteration == iteration - 1 and not self.args.resume:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_log(self, *args, **kwargs)
 

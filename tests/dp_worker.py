@@ -33,6 +33,8 @@ import ppo_mujoco_brax as B  # noqa: E402  (torch only: JAX is imported when a B
 import reinforce as R  # noqa: E402
 import vpg as V  # noqa: E402
 from conftest import missing_extras  # noqa: E402
+from ladder.distributed import average_gradients  # noqa: E402
+from ladder.optim import Adam  # noqa: E402
 from ladder.run import PerRank  # noqa: E402
 from recipes import ALL_THREE, recipe_copy, recurrent_copy  # noqa: E402
 
@@ -53,6 +55,15 @@ def update_batches() -> dict:
             "brax": B.Batch(torch.randn(32, 3, generator=g), torch.randn(32, 2, generator=g), *rest())}  # fmt: skip
 
 
+class SGD(Adam):
+    """Plain SGD on ladder's flat parameters (its step written out, as Adam's): each weight moves by lr times its
+    gradient."""
+
+    def step(self, grad: torch.Tensor) -> None:
+        for group, p, g in zip(self.param_groups, self.flat.split(self.sizes), grad.split(self.sizes)):
+            p.sub_(group["lr"] * g)
+
+
 def updated(name: str, batch) -> dict:
     """The weights after `update` (2 epochs, 1 minibatch, no advantage normalisation) on `batch`, by plain SGD and no
     clipping (the gradient norms are 11.4 and 0.70): each weight moves by lr times its gradient, so a wrong scale (the
@@ -61,7 +72,7 @@ def updated(name: str, batch) -> dict:
     the scale and multiplies the rounding by up to lr / eps = 100 where |g| << eps: 1.9e-5 apart on an Intel Xeon."""
     torch.manual_seed(0)
     agent = A.Agent(4) if name == "atari" else B.Agent(3, 2)
-    optimizer = torch.optim.SGD(agent.parameters(), lr=0.01)
+    optimizer = SGD(agent, lr=0.01)
     flags = dict(norm_adv=False, num_minibatches=1, update_epochs=2, max_grad_norm=1e3)
     module = A if name == "atari" else B  # both take the eager gradient step of CartPole's PPO
     args = module.Args(**flags)
@@ -87,7 +98,7 @@ def with_a_second_network(args, average: bool) -> dict:
         nets["optimizer"].zero_grad()
         loss.backward()
         if average:
-            P.average_gradients(nets["predictor"])
+            average_gradients(nets["predictor"])
         nets["optimizer"].step()
         return real_log(self, env_steps, stats, episodes, rollout)
 
@@ -104,8 +115,8 @@ def stopped_and_resumed(module, args, stop_at: int):
     real_log = module.Run.log
 
     def log(self, *a):
-        if stop_at and self.counters["iteration"] == stop_at - 1 and not self.args.resume:
-            self.stop_signal = 15  # as torchrun's SIGTERM to every rank
+        if stop_at and self.progress.iteration == stop_at - 1 and not self.args.resume:
+            self.signals.received = 15  # as torchrun's SIGTERM to every rank
         return real_log(self, *a)
 
     module.Run.log = log
@@ -154,7 +165,7 @@ def main(out: str) -> None:
     for norm_adv in (False, True):
         torch.manual_seed(0)
         agent = P.Agent(4, 2)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
+        optimizer = Adam(agent, lr=1e-2, eps=1e-5)
         half = P.Batch(*(x[32 * rank : 32 * (rank + 1)] for x in fixed_batch()))
         P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=norm_adv, max_grad_norm=0.05), half)
         torch.save(agent.state_dict(), os.path.join(out, f"step_norm{int(norm_adv)}_rank{rank}.pt"))

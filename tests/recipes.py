@@ -92,9 +92,9 @@ class Memory(nn.Module):
 """,
     ),
     (
-        '        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own\n',
-        '        initial_lrs = [group["lr"] for group in optimizer.param_groups]  # each group anneals from its own\n'
-        "        memory = Memory(N, device)\n",
+        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own\n',
+        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own\n'
+        "            memory = Memory(N, device)\n",
     ),
     (
         "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)  # --num-seeds K: [K, ...], each seed's\n",
@@ -102,7 +102,7 @@ class Memory(nn.Module):
     ),
     (
         "* run.world_size, envs.reset()[0])\n",
-        "* run.world_size, envs.reset()[0],\n                        memory=PerRank(memory))  # each rank's own, saved per rank\n",
+        "* run.world_size, envs.reset()[0],\n                            memory=PerRank(memory))  # each rank's own, saved per rank\n",
     ),
     (
         "obs = collect(agent, envs, obs, rollout, noise)  # has one); `envs` and `agent` hold the state it changes",
@@ -168,7 +168,7 @@ class RunningMeanStd(nn.Module):
 AGENT_LINE = "        self.critic, self.actor = mlp(obs_dim, 1, out_std=1.0), mlp(obs_dim, num_actions, out_std=0.01)\n"
 NEXT_VALUES = "        next_values = agent.get_value(rollout.final_obs.view(T * N, -1)).view(T, N)\n"
 ARGS_END = '''    """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""\n'''
-OPTIMIZER = "        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)\n"
+OPTIMIZER = "            optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3\n"
 
 OBSERVATION_NORMALISATION = [
     RUNNING_MEAN_STD,
@@ -237,9 +237,9 @@ RND = [
     ),
     (
         OPTIMIZER,
-        """        policy = [p for name, p in agent.named_parameters() if p.requires_grad and not name.startswith("rnd_")]
-        groups = [{"params": policy}, {"params": agent.rnd_predictor.parameters(), "lr": args.rnd_learning_rate}]
-        optimizer = torch.optim.Adam(groups, lr=args.learning_rate, eps=1e-5, fused=True)
+        """            policy = [p for name, p in agent.named_parameters() if p.requires_grad and not name.startswith("rnd_")]
+            groups = [{"params": policy}, {"params": agent.rnd_predictor.parameters(), "lr": args.rnd_learning_rate}]
+            optimizer = Adam(agent, groups, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
 """,
     ),
 ]
@@ -247,11 +247,6 @@ RND = [
 every mode steps it, --num-seeds too), its error normalised by running statistics, added to the reward in
 `make_batch` (one return stream: the paper keeps two)."""
 
-TARGET_OPTIMIZER = (
-    OPTIMIZER,
-    "        trained = (p for p in agent.parameters() if p.requires_grad)  # not the target critic\n"
-    "        optimizer = torch.optim.Adam(trained, lr=args.learning_rate, eps=1e-5, fused=True)\n",
-)
 POLYAK_TARGET = [
     ("import functools\n", "import copy\nimport functools\n"),
     (
@@ -270,7 +265,6 @@ POLYAK_TARGET = [
         NEXT_VALUES,
         "        next_values = agent.target_critic(rollout.final_obs.view(T * N, -1)).squeeze(-1).view(T, N)\n",
     ),
-    TARGET_OPTIMIZER,
     (
         "            obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)\n",
         """            obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)
@@ -280,11 +274,12 @@ POLYAK_TARGET = [
 """,
     ),
 ]
-"""A target critic for the bootstrap values, updated by Polyak averaging (as DQN's soft target updates)."""
+"""A target critic for the bootstrap values, updated by Polyak averaging (as DQN's soft target updates); frozen, it is
+not among the parameters ladder's Adam takes of the agent."""
 
 RECIPES = {"observation normalisation": OBSERVATION_NORMALISATION, "RND": RND, "Polyak target": POLYAK_TARGET}
-ALL_THREE = OBSERVATION_NORMALISATION + RND[1:] + [edit for edit in POLYAK_TARGET if edit is not TARGET_OPTIMIZER]
-"""The three recipes in one copy (RND's optimizer leaves the frozen target critic out already)."""
+ALL_THREE = OBSERVATION_NORMALISATION + RND[1:] + POLYAK_TARGET
+"""The three recipes in one copy (RND's `RunningMeanStd`: the first's)."""
 
 
 def apply(source: str, edits: list, name: str) -> str:

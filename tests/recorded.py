@@ -69,15 +69,6 @@ def folders(cwd: str) -> list[str]:
     return sorted(d for d in glob.glob(os.path.join(cwd, "runs", "*")) if glob.glob(os.path.join(d, "events.*")))
 
 
-def train_seeds(module):
-    """The script's --num-seeds entry: its own before the move, ladder's after."""
-    if hasattr(module, "train_seeds"):
-        return module.train_seeds
-    from ladder.seeds import train_seeds
-
-    return train_seeds
-
-
 def in_folder(cwd: str, fn, *args):
     """`fn(*args)` run in `cwd` with one torch thread (Atari's convolutions round by the thread count)."""
     threads, here = torch.get_num_threads(), os.getcwd()
@@ -92,7 +83,7 @@ def in_folder(cwd: str, fn, *args):
 
 def run_config(module, config: str, cwd: str) -> list[dict]:
     """Train the config in `cwd`; the scalars of each run folder (a seed each)."""
-    in_folder(cwd, train_seeds(module), module.train, args_of(module, config))
+    in_folder(cwd, module.train, args_of(module, config))
     return [scalars(d) for d in folders(cwd)]
 
 
@@ -114,7 +105,7 @@ def record() -> None:  # run by hand, on the code the runs are to be recorded of
         real_log = ppo.Run.log
 
         def log(self, *args, **kwargs):  # SIGTERM while iteration 2 is logged: the run stops after it
-            if self.counters["iteration"] == 1:
+            if self.progress.iteration == 1:
                 os.kill(os.getpid(), signal.SIGTERM)
             return real_log(self, *args, **kwargs)
 

@@ -11,6 +11,7 @@ import imageio_ffmpeg
 import pytest
 import torch
 
+import ladder.outputs
 import ppo_cartpole_gpu as P
 from conftest import (
     ALL_SCRIPTS,
@@ -156,7 +157,7 @@ def test_without_a_terminal_progress_comes_as_plain_lines(seeds, in_tmp, monkeyp
     """Under nohup or in CI (stderr not a terminal) the bar is off and a plain line replaces it, every 30 s (here at
     every iteration): steps, SPS, time left, the recent return; with --num-seeds seed 1's, as the bar follows seed 1.
     --no-progress-bar silences it. Before, Atari printed nothing in 15 minutes."""
-    monkeypatch.setattr(P.Run, "progress_line_seconds", 0.0)
+    monkeypatch.setattr(ladder.outputs, "PROGRESS_LINE_SECONDS", 0.0)
     flags = ["--num-envs", "32", "--total-timesteps", "2048", "--eval-episodes", "0", "--device", "cpu"]
     result = call_main("ppo_cartpole_gpu", *flags, "--num-seeds", str(seeds), cwd=in_tmp)
     assert result.returncode == 0, result.stderr

@@ -5,7 +5,6 @@ of each phase takes seconds; the tests reuse one shape per script so that cost i
 """
 
 import copy
-import functools
 import os
 import subprocess
 import sys
@@ -17,7 +16,8 @@ import torch._dynamo
 from torch._dynamo.utils import guard_failures
 
 from conftest import SCRIPTS, assert_close, assert_same_agents, import_script, origin, read_json
-from ladder.compile import cannot_take_functional_step, compile_phases, compiled, functional_gradient_step
+from ladder.compile import compiled
+from ladder.optim import Adam
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -89,35 +89,49 @@ def test_a_recompilation_is_named_by_the_guard_that_failed():
     assert "mode['clip']" in recompilations() and "<lambda>" in recompilations(), recompilations()
 
 
+def fixed_batch(mod, n: int = 64):
+    return mod.Batch(torch.randn(n, 4), torch.randint(0, 2, (n,)), torch.randn(n) - 0.7, torch.randn(n),
+                     torch.randn(n), torch.randn(n))  # fmt: skip
+
+
+def torch_step(agent, optimizer, loss_fn, args, batch, idx=None) -> dict:
+    """The gradient step as torch.optim takes it: backward(), clip_grad_norm_, the optimizer's step()."""
+    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return stats
+
+
 @pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg"])
-def test_functional_gradient_step_is_torch_adam_with_clipping(name):
-    """One step of the compiled-path update equals loss.backward, clip_grad_norm_ and torch.optim.Adam's
-    step, on minibatches given by index (the path --compile uses; checked eagerly here)."""
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_gradient_step_is_torch_adam_with_clipping(name, weight_decay, compile):
+    """The script's `gradient_step` (ladder's Adam: the gradient in the flat parameter vector, the update written
+    out) equals loss.backward, clip_grad_norm_ and torch.optim.Adam's step (AdamW's with weight decay), eager and
+    compiled, with two param groups of their own rates, on minibatches given by index."""
     mod = import_script(name)
     torch.manual_seed(0)
     args = mod.Args(max_grad_norm=0.05)  # small enough that the clipping acts
     agent = mod.Agent(4, 2)
     twin = copy.deepcopy(agent)
-    make = lambda a: torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5)  # noqa: E731
-    opt, twin_opt = make(agent), make(twin)
-    loss_fn = mod.ppo_loss if name == "ppo_cartpole_gpu" else mod.vpg_loss
-    n = 64
-    batch = mod.Batch(torch.randn(n, 4), torch.randint(0, 2, (n,)), torch.randn(n) - 0.7, torch.randn(n),
-                      torch.randn(n), torch.randn(n))  # fmt: skip
-    functional = functional_gradient_step(agent, opt, loss_fn, args)
-    eager = functools.partial(mod.gradient_step, twin, twin_opt, loss_fn, args)
+    groups = lambda a: [{"params": a.actor.parameters()}, {"params": a.critic.parameters(), "lr": 3e-3}]
+    opt = Adam(agent, groups(agent), lr=1e-2, eps=1e-5, weight_decay=weight_decay)
+    twin_opt = torch.optim.AdamW(groups(twin), lr=1e-2, eps=1e-5, weight_decay=weight_decay)
+    loss_fn, batch = mod.ppo_loss if name == "ppo_cartpole_gpu" else mod.vpg_loss, fixed_batch(mod)
+    torch._dynamo.reset()
+    step = compiled(mod.gradient_step) if compile else mod.gradient_step
     for _ in range(3):
-        idx = torch.randperm(n)[:32]
-        stats = functional([torch.tensor(1e-2)], batch, idx)
-        twin_stats = eager(batch, idx)
+        idx = torch.randperm(len(batch.obs))[:32]
+        stats, twin_stats = (
+            step(agent, opt, loss_fn, args, batch, idx),
+            torch_step(twin, twin_opt, loss_fn, args, batch, idx),
+        )
         for tag in stats:
-            torch.testing.assert_close(stats[tag], twin_stats[tag])
-    for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
-        assert_close(a, b, key, atol=1e-6, rtol=1e-5)
-    # the optimizer's state is Adam's own: an eager step can follow compiled ones
-    for p, q in zip(agent.parameters(), twin.parameters()):
-        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], twin_opt.state[q]["exp_avg_sq"])
-        assert float(opt.state[p]["step"]) == float(twin_opt.state[q]["step"]) == 3
+            torch.testing.assert_close(stats[tag], twin_stats[tag], atol=1e-6, rtol=1e-5)
+    assert_same_agents(agent, twin, "compiled" if compile else "resumed", atol=2e-6, rtol=1e-5)
+    assert float(opt.state["flat"]["step"]) == 3
 
 
 def test_tanh_is_the_same_compiled():
@@ -145,8 +159,8 @@ def test_compiled_defaults_solve_cartpole(name, in_tmp):
 
 
 def test_a_loss_may_call_any_agent_method_compiled_too():
-    """The compiled gradient step hands the loss the real Agent (its parameters swapped in by functional_call), so a
-    loss that calls `agent.get_value` takes the same step compiled as eagerly."""
+    """The gradient step hands the loss the real Agent (its parameters swapped in by functional_call), so a loss that
+    calls `agent.get_value` takes the same step compiled as torch.optim takes eagerly."""
     mod = import_script("ppo_cartpole_gpu")
 
     def loss_fn(agent, args, batch):  # PPO's loss plus a term through another method of the agent
@@ -154,43 +168,13 @@ def test_a_loss_may_call_any_agent_method_compiled_too():
         return loss + 0.1 * agent.get_value(batch.obs).square().mean(), stats
 
     torch.manual_seed(0)
-    agent, args = mod.Agent(4, 2), mod.Args()
+    agent, args, batch = mod.Agent(4, 2), mod.Args(), fixed_batch(mod, 32)
     twin = copy.deepcopy(agent)
-    opt, twin_opt = (torch.optim.Adam(a.parameters(), lr=1e-2, eps=1e-5) for a in (agent, twin))
-    batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
-                      torch.randn(32), torch.randn(32))  # fmt: skip
-    compiled = torch.compile(functional_gradient_step(agent, opt, loss_fn, args), fullgraph=True)
-    compiled([torch.tensor(1e-2)], batch)
-    mod.gradient_step(twin, twin_opt, loss_fn, args, batch)
-    for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
-        assert_close(a, b, key, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.AdamW(p, lr=1e-2),
-    lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
-    lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-4),
-])  # fmt: skip
-def test_another_optimizer_compiled_takes_its_own_step(make):
-    """The compiled step writes plain Adam out; another optimizer (or Adam with weight decay) gets the loss's forward
-    and backward compiled and its own step(): the same update as eager, not a silently different one (AdamW losing
-    its decay) or a crash (SGD has no moments). Before, --compile refused them."""
-    mod = import_script("ppo_cartpole_gpu")
-    torch.manual_seed(0)
-    agent = mod.Agent(4, 2)
-    twin = copy.deepcopy(agent)
-    opt, twin_opt = make(agent.parameters()), make(twin.parameters())
-    assert cannot_take_functional_step(agent, opt).endswith("not plain Adam")
-    assert cannot_take_functional_step(agent, torch.optim.Adam(agent.parameters())) == ""
-    batch = mod.Batch(torch.randn(32, 4), torch.randint(0, 2, (32,)), torch.randn(32) - 0.7, torch.randn(32),
-                      torch.randn(32), torch.randn(32))  # fmt: skip
+    opt, twin_opt = Adam(agent, lr=1e-2, eps=1e-5), torch.optim.Adam(twin.parameters(), lr=1e-2, eps=1e-5)
     torch._dynamo.reset()
-    (step,) = compile_phases(functools.partial(mod.gradient_step, agent, opt, mod.ppo_loss, mod.Args(compile=True)))
-    for _ in range(3):
-        step(batch)
-        mod.gradient_step(twin, twin_opt, mod.ppo_loss, mod.Args(), batch)
-    for (key, a), b in zip(agent.state_dict().items(), twin.state_dict().values()):
-        assert_close(a, b, key, atol=1e-5, rtol=1e-4)
+    compiled(mod.gradient_step)(agent, opt, loss_fn, args, batch)
+    torch_step(twin, twin_opt, loss_fn, args, batch)
+    assert_same_agents(agent, twin, "compiled", atol=1e-6, rtol=1e-5)
 
 
 class Statistics(torch.nn.Module):
@@ -236,3 +220,22 @@ def test_a_float64_scalars_update_is_kept_compiled():
     running statistics (their count) go on counting compiled. Before, the count stayed where it started."""
     assert count_twice(lambda fn: fn) == 6.0
     assert count_twice(compiled) == 6.0
+
+
+def test_torch_still_cannot_compile_the_gradient_of_a_module_in_two_places():
+    """Why Adam.gradient swaps views of the flat vector into the module rather than calling functional_call: torch
+    2.13 cannot compile torch.func.grad over a functional_call of a module in two places. Skips once torch can."""
+    shared = torch.nn.Linear(3, 3)
+    module = torch.nn.Sequential(shared, torch.nn.Tanh(), shared)
+    parameters = dict(module.named_parameters())
+
+    def gradient(parameters, x):
+        return torch.func.grad(lambda p: torch.func.functional_call(module, p, (x,)).sum())(parameters)
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(gradient, fullgraph=True)(parameters, torch.randn(2, 3))
+    except Exception as e:  # torch's own, whichever it raises
+        assert "TensorWrapper" in str(e) or "functorch" in str(e), str(e)[:500]
+    else:
+        pytest.skip(f"torch {torch.__version__} compiles it")

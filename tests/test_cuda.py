@@ -25,7 +25,7 @@ from conftest import (
     stopped_and_resumed,
     torchrun,
 )
-from ladder.seeds import train_seeds
+from conftest import train_seeds as train_seeds_of
 from test_modifications import adaptive_penalty
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -234,9 +234,9 @@ def test_stacked_seeds_recorded_equal_stacked_seeds_unrecorded_on_cuda(name, in_
 
     module = import_script(name)
     args = small_args(module, device="cuda", num_seeds=2)
-    graphed = train_seeds(module.train, replace(args, cuda_graph=True, exp_name="graph"))
+    graphed = train_seeds_of(module, replace(args, cuda_graph=True, exp_name="graph"))
     assert any("--cuda-graph: recorded" in line for line in capsys.readouterr().err.splitlines())
-    loop = train_seeds(module.train, replace(args, cuda_graph=False, exp_name="loop"))
+    loop = train_seeds_of(module, replace(args, cuda_graph=False, exp_name="loop"))
     for k in range(2):
         for key, value in loop[k].state_dict().items():
             assert torch.equal(value, graphed[k].state_dict()[key]), f"seed {k + 1}: {key}"

@@ -10,6 +10,7 @@ import torch
 from dp_worker import fixed_batch, update_batches, updated
 
 from conftest import ROOT, assert_close, import_script, interrupt_after_an_iteration, read_json, torchrun
+from ladder.optim import Adam
 
 P = import_script("ppo_cartpole_gpu")
 
@@ -50,7 +51,7 @@ def test_two_ranks_take_the_single_process_step(worker_outputs, norm_adv):
     if not norm_adv:  # and then it is the plain full-batch step
         torch.manual_seed(0)
         agent = P.Agent(4, 2)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
+        optimizer = Adam(agent, lr=1e-2, eps=1e-5)
         P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=False, max_grad_norm=0.05), fixed_batch())
         for key, value in agent.state_dict().items():
             assert_close(value, expected[key], key, atol=1e-6, rtol=1e-5)

@@ -20,8 +20,9 @@ from conftest import (
     small_args,
     stopped_and_resumed,
 )
+from conftest import train_seeds as train_seeds_of
 from ladder.cuda_graph import CudaGraph
-from ladder.seeds import train_seeds
+from test_compile import torch_step
 from test_modifications import adaptive_penalty
 
 
@@ -98,13 +99,15 @@ def test_brax_replays_the_batch_and_the_update(in_tmp, monkeypatch):
 
 @pytest.mark.parametrize("trouble", ["sgd", "recording fails"])
 def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, monkeypatch, capsys):
-    """An optimizer without a capturable mode (SGD: its learning rate would be frozen into the graph), or a recording
-    that fails (here: as a host read in it would, on a GPU): the iteration runs as written, the run says why once,
-    and its numbers are the plain loop's (a failed recording leaves the env's tensors as they were)."""
+    """A copy's optimizer of torch's (SGD, stepped after backward(): its learning rate would be frozen into the graph),
+    or a recording that fails (here: as a host read in it would, on a GPU): the iteration
+    runs as written, the run says why once, and its numbers are the plain loop's (a failed recording leaves the env's
+    tensors as they were)."""
     module = import_script("ppo_cartpole_gpu")
     if trouble == "sgd":
-        sgd = lambda params, lr, **kwargs: torch.optim.SGD(params, lr=lr)  # noqa: E731
-        monkeypatch.setattr(module.torch.optim, "Adam", sgd)
+        sgd = lambda agent, lr, eps: torch.optim.SGD(agent.parameters(), lr=torch.tensor(lr))  # (train() anneals
+        monkeypatch.setattr(module, "Adam", sgd)  # the rate in place)
+        monkeypatch.setattr(module, "gradient_step", torch_step)
     args = small_args(module, cuda_graph=True)
     module.train(replace(args, exp_name="plain"))
 
@@ -118,7 +121,7 @@ def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, 
     module.train(replace(args, exp_name="replayed"))
     notes = [line for line in capsys.readouterr().err.splitlines() if "--cuda-graph" in line]
     failed = "recording it failed (CUDA error: operation not permitted when stream is capturing)"
-    why = {"sgd": "SGD has no capturable mode", "recording fails": failed}
+    why = {"sgd": "SGD is not ladder.optim.Adam, whose step a graph can hold", "recording fails": failed}
     assert notes == [f"note: --cuda-graph: one_iteration runs as written, not as a CUDA graph: {why[trouble]}"]
     assert_same_run(in_tmp, "plain", "replayed")
 
@@ -132,9 +135,9 @@ def test_two_stacked_seeds_replayed_equal_the_stacked_call_as_written(name, in_t
 
     module = import_script(name)
     args = small_args(module, num_seeds=2, cuda_graph=True)
-    plain = train_seeds(module.train, replace(args, exp_name="plain"))
+    plain = train_seeds_of(module, replace(args, exp_name="plain"))
     replayed_on_the_cpu(module, monkeypatch)  # as on a GPU: the stacked call given to a CudaGraph
-    replayed = train_seeds(module.train, replace(args, exp_name="replayed"))
+    replayed = train_seeds_of(module, replace(args, exp_name="replayed"))
     assert " of 2 seeds as one CUDA graph" in capsys.readouterr().err
     for k in range(2):
         for key, value in plain[k].state_dict().items():

@@ -34,13 +34,14 @@ from conftest import (
     stop_with_sigterm_at,
     stopped_and_resumed,
 )
-from recipes import RECURRENT, recipe_diff, recurrent_copy
+from ladder.optim import Adam
+from recipes import RECURRENT, recipe_copy, recipe_diff, recurrent_copy
 
 LOSS = {"ppo_cartpole_gpu": "ppo_loss", "vpg": "vpg_loss", "reinforce": "reinforce_loss"}
 """The name of each script's loss function."""
 
 
-def three_ways(module, monkeypatch, tmp, envs=None, script: str = ""):
+def three_ways(module, monkeypatch, tmp, envs=None, script: str = "", compile: bool = True):
     """The (changed) script trained for six iterations with --compile, eagerly, and stopped by SIGTERM after the third
     then resumed; returns the eager, compiled and resumed agents. `envs`: an env class to train on instead of the
     CartPole; `script`: the script the module was made from, when its name is not it (a recipe's copy). Compiled for
@@ -52,7 +53,7 @@ def three_ways(module, monkeypatch, tmp, envs=None, script: str = ""):
     make = lambda: None if envs is None else envs(args.num_envs, "cpu", args.seed)
     fast = None
     name = script or module.__name__
-    if origin(name) == "ppo_cartpole_gpu" or name in COPY:
+    if compile and (origin(name) == "ppo_cartpole_gpu" or name in COPY):
         torch._dynamo.reset()  # each change compiles afresh: no test meets another's graphs or recompilation limit
         fast = module.train(replace(args, exp_name="compiled", compile=True), make())
     eager, resumed, _ = stopped_and_resumed(module, args, tmp, monkeypatch, make)
@@ -64,6 +65,48 @@ def assert_same_training(eager, compiled, resumed) -> None:
     assert_same_agents(resumed, eager, "resumed", exact=True)
     if compiled is not None:
         assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
+
+
+# An edit to the gradient step -----------------------------------------------------------------
+NO_STEP = [("    grad = mean_over_ranks(grad)  # data parallel under torchrun\n",
+            "    grad = mean_over_ranks(grad) * 0.0  # the edit: no gradient, so no step\n")]  # fmt: skip
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_edit_to_the_gradient_step_runs_in_every_mode(name, in_tmp, monkeypatch):
+    """A copy whose `gradient_step` zeroes the gradient keeps its initial weights in every mode: eager, compiled, as
+    two stacked seeds, replayed as a CUDA graph (on the CPU) and stopped and resumed. Before, --compile and
+    --num-seeds ran a step of ladder's own in its place: the weights moved by 0.158 and 0.168."""
+    from test_graph import replayed_on_the_cpu
+
+    script = PATHS.get(name, os.path.join(ROOT, f"{origin(name)}.py"))
+    module = recipe_copy(script, str(in_tmp), NO_STEP, "no_step")
+    monkeypatch.setitem(COPY, module.__name__, origin(name))  # (small_args: the script's own sizes)
+    start, initial = module.Run.start, []
+
+    def recording(self, agent, *rest, **stateful):  # each seed's agent and its weights before training
+        initial.append((agent, {k: v.clone() for k, v in agent.named_parameters()}))
+        return start(self, agent, *rest, **stateful)
+
+    monkeypatch.setattr(module.Run, "start", recording)
+    args = small_args(module, eval_episodes=0)
+    modes = {"eager": {}, "two stacked seeds": dict(num_seeds=2)}
+    modes |= {"compiled": dict(compile=True)} if origin(name) == "ppo_cartpole_gpu" else {}  # (the others: same step)
+    for mode, flags in modes.items():
+        torch._dynamo.reset()
+        module.train(replace(args, exp_name=mode.replace(" ", "_"), **flags))
+    with pytest.MonkeyPatch.context() as patch:
+        replayed_on_the_cpu(module, patch)
+        module.train(replace(args, exp_name="replayed"))
+        stop_with_sigterm_at(module, patch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            module.train(replace(args, exp_name="cut"))
+    module.train(replace(args, resume=run_dir(in_tmp, "cut"), total_timesteps=2 * args.total_timesteps))
+    assert len(initial) == len(modes) + sum(flags.get("num_seeds", 1) - 1 for flags in modes.values()) + 3
+    for i, (agent, weights) in enumerate(initial):
+        moved = {k: float((v - weights[k]).abs().max()) for k, v in agent.named_parameters()}
+        assert not any(moved.values()), f"run {i} of {len(initial)}: the weights moved by {moved}"
 
 
 # A shared module ------------------------------------------------------------------------------
@@ -84,38 +127,47 @@ def shared_trunk(module):
 
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_shared_module_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
-    """Before, --compile died at iteration 1 (inductor: "Cannot access storage of TensorWrapper", from torch.func.grad
-    over a parameter in two places); now the compiled loss's forward and backward feed the optimizer's own step."""
+def test_a_shared_module_trains_compiled_resumed_and_stacked(name, in_tmp, monkeypatch):
+    """A module in two places (the actor's first layer the critic's): ladder's Adam takes it once, and eager,
+    compiled, stopped and resumed, and as two stacked seeds it trains as one run. (torch 2.13 cannot compile
+    torch.func.grad over a functional_call of such a module, test_compile.py; Adam.gradient swaps views in instead.)"""
+    from test_many_seeds import stacked_stopped_and_resumed
+
     module = import_script(name)
     monkeypatch.setattr(module, "Agent", shared_trunk(module))
-    eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
+    with pytest.MonkeyPatch.context() as patch:  # (its SIGTERM undone after)
+        eager, compiled, resumed = three_ways(module, patch, in_tmp)
     assert len(list(eager.named_parameters(remove_duplicate=False))) > len(list(eager.parameters()))
     assert_same_training(eager, compiled, resumed)
+    if origin(name) == "ppo_cartpole_gpu":
+        (in_tmp / "stacked").mkdir()
+        monkeypatch.chdir(in_tmp / "stacked")
+        stacked_stopped_and_resumed(module, small_args(module, num_seeds=2, eval_episodes=0), in_tmp / "stacked",
+                                    monkeypatch)  # fmt: skip
 
 
 # Another optimizer ----------------------------------------------------------------------------
-def adamw_two_groups(module, monkeypatch, weight_decay: float = 1e-2) -> None:
-    """train()'s `torch.optim.Adam(agent.parameters(), lr=..., ...)` made AdamW with two param groups: weight decay on
-    the weight matrices, none on the biases."""
-    adamw = torch.optim.AdamW
+def decay_in_two_groups(module, monkeypatch, weight_decay: float = 1e-2) -> None:
+    """train()'s `Adam(agent, lr=..., ...)` with two param groups: weight decay (AdamW's) on the weight matrices, none
+    on the biases."""
 
-    def make(params, lr, **kwargs):
-        params = list(params)
+    def make(agent, lr, **kwargs):
+        params = list(agent.parameters())
         groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]  # fmt: skip
-        return adamw(groups, lr=lr, **kwargs)
+        return Adam(agent, groups, lr=lr, **kwargs)
 
-    monkeypatch.setattr(module.torch.optim, "Adam", make)
+    monkeypatch.setattr(module, "Adam", make)
 
 
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_adamw_with_two_param_groups_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
-    """Before, --compile refused any optimizer but plain Adam (and offered a "compile only the loss" mode that did not
-    exist); now it compiles the loss's forward and backward and calls the optimizer's own step(): the same numbers."""
+def test_weight_decay_in_two_param_groups_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """Each param group's settings (here AdamW's weight decay on the matrices alone) in every mode alike: the same
+    written-out step runs eager and compiled (before, --compile refused any optimizer but plain Adam, then swapped
+    the script's step for one of its own)."""
     module = import_script(name)
-    adamw_two_groups(module, monkeypatch)
+    decay_in_two_groups(module, monkeypatch)
     assert_same_training(*three_ways(module, monkeypatch, in_tmp))
 
 
@@ -125,12 +177,12 @@ def test_optimizer_settings_a_checkpoint_replaces_are_noted(name, in_tmp, monkey
     """The code's weight decay changed between the stop and --resume: the checkpoint's (its optimizer's state_dict)
     wins, as torch's load_state_dict has it, and a note says so. Before, silently."""
     module = import_script(name)
-    adamw_two_groups(module, monkeypatch, weight_decay=1e-2)
+    decay_in_two_groups(module, monkeypatch, weight_decay=1e-2)
     args = small_args(module, eval_episodes=0)
     stop_with_sigterm_at(module, monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         module.train(args)
-    adamw_two_groups(module, monkeypatch, weight_decay=1e-3)
+    decay_in_two_groups(module, monkeypatch, weight_decay=1e-3)
     capsys.readouterr()
     module.train(replace(args, resume=run_dir(in_tmp, args.exp_name)))
     err = capsys.readouterr().err
@@ -139,23 +191,24 @@ def test_optimizer_settings_a_checkpoint_replaces_are_noted(name, in_tmp, monkey
 
 
 def two_adam_optimizers(module, monkeypatch) -> dict:
-    """train()'s Adam made two: one for the first two parameter tensors (the one train() goes on with and gives
-    `run.start`), one for the rest, given to `run.start` as `second_optimizer` and stepped after the first by
-    `gradient_step` (a copy's actor and critic optimizers). Returns {"second": the second optimizer}."""
-    adam, real_start, real_step, box = torch.optim.Adam, module.Run.start, module.gradient_step, {}
+    """train()'s Adam made two: one for the actor (the one train() goes on with and gives `run.start`), one for the
+    critic at its own rate, given to `run.start` as `second` and stepped after the first by `gradient_step`, on its
+    own gradient (a copy's actor and critic optimizers). Returns {"second": the second optimizer}."""
+    real_start, real_step, box = module.Run.start, module.gradient_step, {}
+    critic = "critic" if module.__name__ != "reinforce" else "actor.4"  # (REINFORCE: its output layer)
 
-    def make(params, **kwargs):
-        params = list(params)
-        box["second"] = adam(params[2:], **kwargs)
-        return adam(params[:2], **kwargs)
+    def make(agent, **kwargs):
+        box["second"] = Adam(agent, agent.get_submodule(critic).parameters(), **kwargs | {"lr": 1e-3})
+        return Adam(agent, **kwargs)  # the trainable parameters left: the actor's
 
     def gradient_step(agent, optimizer, loss_fn, args, batch, idx=None):
-        box["second"].zero_grad(set_to_none=True)
-        stats = real_step(agent, optimizer, loss_fn, args, batch, idx)  # backward, clipping, the first's step
-        box["second"].step()
+        stats = real_step(agent, optimizer, loss_fn, args, batch, idx)
+        minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
+        grad, _ = box["second"].gradient(loss_fn, agent, args, minibatch)
+        box["second"].step(grad)
         return stats
 
-    monkeypatch.setattr(module.torch.optim, "Adam", make)
+    monkeypatch.setattr(module, "Adam", make)
     monkeypatch.setattr(module, "gradient_step", gradient_step)
     monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: real_start(self, *a, **k, second=box["second"]))
     return box
@@ -163,22 +216,52 @@ def two_adam_optimizers(module, monkeypatch) -> dict:
 
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_two_optimizers_train_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
-    """Two Adam optimizers, each for part of the agent: --compile cannot write their two steps out as one, so it
-    compiles the loss and calls the copy's own `gradient_step`: the same weights as eager, and the run checkpoints.
-    Before, the one-graph step stepped every parameter of the agent with the first optimizer's settings, and wrote
-    optimizer state for parameters it does not hold: the compiled run crashed writing its final checkpoint
-    (`KeyError: 140039397471600`), leaving no summary, checkpoint or model."""
+def test_two_optimizers_train_alike_compiled_resumed_and_stacked(name, in_tmp, monkeypatch):
+    """Two Adam optimizers, each for part of the agent, each stepped on its own gradient by the copy's
+    `gradient_step`: the same weights eager and compiled, resumed as one run, and (PPO) as two stacked seeds. Before,
+    the one-graph step stepped every parameter with the first optimizer's settings and crashed writing its final
+    checkpoint (`KeyError: 140039397471600`), and --num-seeds refused two optimizers."""
+    from test_many_seeds import stacked_stopped_and_resumed
+
     module = import_script(name)
-    two_adam_optimizers(module, monkeypatch)
-    assert_same_training(*three_ways(module, monkeypatch, in_tmp))
+    box = two_adam_optimizers(module, monkeypatch)
+    with pytest.MonkeyPatch.context() as patch:  # (its SIGTERM undone after)
+        assert_same_training(*three_ways(module, patch, in_tmp))
+    assert float(box["second"].state["flat"]["step"]) > 0
+    if origin(name) == "ppo_cartpole_gpu":
+        (in_tmp / "stacked").mkdir()
+        monkeypatch.chdir(in_tmp / "stacked")
+        args = small_args(module, num_seeds=2, eval_episodes=0)
+        stacked_stopped_and_resumed(module, args, in_tmp / "stacked", monkeypatch)
+
+
+class SGD(Adam):
+    """Another optimizer, as docs/modifying.md writes one: SGD with momentum on ladder's flat parameters, its step
+    written out (the first moment its velocity)."""
+
+    def step(self, grad: torch.Tensor) -> None:
+        velocity = self.state["flat"]["exp_avg"]
+        for group, p, g, v in zip(self.param_groups, *(x.split(self.sizes) for x in (self.flat, grad, velocity))):
+            v.mul_(0.9).add_(g)
+            p.sub_(group["lr"] * v)
+
+
+@pytest.mark.behaviour
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_another_optimizer_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """SGD with momentum in place of Adam (docs/modifying.md's recipe: a subclass of ladder's Adam with its step
+    written out): eager and compiled alike, resumed as one run (its velocity in the checkpoint)."""
+    module = import_script(name)
+    monkeypatch.setattr(module, "Adam", lambda agent, lr, eps: SGD(agent, lr=lr))
+    eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
+    assert_same_training(eager, compiled, resumed)
 
 
 def auxiliary_phase(module, monkeypatch) -> dict:
-    """A PPG-style auxiliary phase (Cobbe et al. 2021): the agent gets a head the loss does not use, trained after
-    every second iteration by two gradient steps of its own through the run's optimizer, on the rollout's
-    observations (a value-like target). Returns {"aux_steps": how many it took}."""
-    real_log, box, Agent = module.Run.log, {"aux_steps": 0}, module.Agent
+    """A PPG-style auxiliary phase (Cobbe et al. 2021): the agent gets a head the loss does not use, with an Adam of
+    its own (given to `run.start`), trained after every second iteration by two gradient steps on the rollout's
+    observations (a value-like target); the policy's Adam holds the rest. Returns {"aux_steps": how many it took}."""
+    real_log, real_start, box, Agent = module.Run.log, module.Run.start, {"aux_steps": 0}, module.Agent
 
     class WithAuxHead(Agent):
         def __init__(self, obs_dim, *args):
@@ -186,34 +269,41 @@ def auxiliary_phase(module, monkeypatch) -> dict:
             with torch.random.fork_rng():  # the global stream (the actions' noise) as the script's own
                 self.aux_head = nn.Linear(obs_dim, 1)
 
+    def make(agent, **kwargs):
+        box["aux"] = Adam(agent, agent.aux_head.parameters(), **kwargs)
+        return Adam(agent, **kwargs)  # the trainable parameters left: all but the head's
+
+    def aux_loss(agent, obs):
+        return (agent.aux_head(obs).squeeze(-1) - obs[:, 0]).square().mean(), {}
+
     def log(self, env_steps, stats, episodes, rollout=None):
-        if self.counters["iteration"] % 2 == 1:  # the iteration being logged is the counter's next: every second
-            obs = rollout.obs.flatten(0, -2)
+        if self.progress.iteration % 2 == 1:  # the iteration being logged is the counter's next: every second
             for _ in range(2):
-                loss = (self.agent.aux_head(obs).squeeze(-1) - obs[:, 0]).square().mean()
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
+                grad, _ = box["aux"].gradient(aux_loss, self.agent, rollout.obs.flatten(0, -2))
+                box["aux"].step(grad)
                 box["aux_steps"] += 1
         return real_log(self, env_steps, stats, episodes, rollout)
 
     monkeypatch.setattr(module, "Agent", WithAuxHead)
+    monkeypatch.setattr(module, "Adam", make)
+    monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: real_start(self, *a, **k, aux=box["aux"]))
     monkeypatch.setattr(module.Run, "log", log)
     return box
 
 
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_parameter_without_a_gradient_takes_no_step_compiled_as_eagerly(name, in_tmp, monkeypatch):
-    """The auxiliary head's gradient in the policy's steps is None eagerly, and torch.optim skips it; compiled, its
-    gradient is zeros, and the one-graph step now skips it too: the same weights, the head's Adam step count that of
-    the auxiliary steps alone. Before, the compiled step moved it on its momentum at every minibatch (the issue's PPG
-    copy: stepped 112 times instead of 32, its actor 0.083 from eager after 5 iterations)."""
+def test_an_auxiliary_phase_trains_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
+    """The auxiliary phase's head with an Adam of its own: the policy's steps leave it alone (its step count that of
+    the auxiliary steps), the same weights eager and compiled, resumed as one run. Before, the compiled step moved it
+    on its momentum at every minibatch (the issue's PPG copy: stepped 112 times instead of 32, its actor 0.083 from
+    eager after 5 iterations)."""
     module = import_script(name)
     box = auxiliary_phase(module, monkeypatch)
     eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
     assert_same_training(eager, compiled, resumed)
-    assert box["aux_steps"] > 0
+    iterations = read_json(os.path.join(run_dir(in_tmp, "whole"), "summary.json"))["iterations"]
+    assert float(box["aux"].state["flat"]["step"]) == 2 * (iterations // 2)  # the resumed run's: its own
 
 
 # Resume that cannot go stale ------------------------------------------------------------------
@@ -247,10 +337,10 @@ def test_param_groups_taken_before_run_start_stay_live_after_a_resume(name, in_t
 def lr_scheduler(module, monkeypatch, given: bool = True, step_size: int = 2) -> dict:
     """A torch.optim.lr_scheduler (StepLR: the rate halved every `step_size` iterations) on train()'s optimizer, stepped
     after `run.log` in the loop body and, with `given`, given to `run.start`. Returns {"scheduler": it}."""
-    adam, real_start, real_log, box = torch.optim.Adam, module.Run.start, module.Run.log, {}
+    real_start, real_log, box = module.Run.start, module.Run.log, {}
 
-    def make(params, **kwargs):  # each optimizer's own (--num-seeds: each seed's, and the one train() steps)
-        optimizer = adam(params, **kwargs)
+    def make(agent, **kwargs):  # each optimizer's own (--num-seeds: each seed's, the last the one train() steps)
+        optimizer = Adam(agent, **kwargs)
         box["scheduler"] = box[optimizer] = torch.optim.lr_scheduler.StepLR(optimizer, step_size, gamma=0.5)
         return optimizer
 
@@ -265,7 +355,7 @@ def lr_scheduler(module, monkeypatch, given: bool = True, step_size: int = 2) ->
         self.scheduler.step()
         return reached
 
-    monkeypatch.setattr(module.torch.optim, "Adam", make)
+    monkeypatch.setattr(module, "Adam", make)
     monkeypatch.setattr(module.Run, "start", start)
     monkeypatch.setattr(module.Run, "log", log)
     return box
@@ -557,7 +647,7 @@ def test_a_statistic_may_be_nan_only_the_losses_must_be_finite(name, in_tmp, mon
     real_log = module.Run.log
 
     def log(self, env_steps, stats, *episodes_rollout):  # as train() adding to `stats` before it calls run.log
-        even = self.counters["iteration"] % 2 == 1  # the iteration being logged is the one after the counter's
+        even = self.progress.iteration % 2 == 1  # the iteration being logged is the one after the counter's
         mine = {"charts/mine": torch.tensor(math.nan if even else 7.0)}
         return real_log(self, env_steps, stats | mine, *episodes_rollout)
 
@@ -630,21 +720,21 @@ def test_state_that_cannot_be_checkpointed_is_refused_at_start(in_tmp, monkeypat
 def test_every_param_group_is_annealed_from_its_own_first_rate(name, in_tmp, monkeypatch):
     """Two param groups (the first layer at a tenth of the rate, say): both anneal, each from its own rate. Before,
     only the first group's rate was annealed (CleanRL's scripts have the same trap)."""
-    module, made, adam = import_script(name), [], torch.optim.Adam
+    module, made = import_script(name), []
 
-    def two_groups(params, lr, **kwargs):
-        params = list(params)
-        made.append(adam([{"params": params[:2], "lr": lr / 10}, {"params": params[2:]}], lr=lr, **kwargs))
+    def two_groups(agent, lr, **kwargs):
+        params = list(agent.parameters())
+        made.append(Adam(agent, [{"params": params[:2], "lr": lr / 10}, {"params": params[2:]}], lr=lr, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(module.torch.optim, "Adam", two_groups)
+    monkeypatch.setattr(module, "Adam", two_groups)
     args = small_args(module, eval_episodes=0)
     if not getattr(args, "anneal_lr", False):
         pytest.skip("this copy does not anneal its learning rate (no --anneal-lr, or off by default)")
     module.train(args)
-    first, rest = (group["lr"] for group in made[0].param_groups)
+    first, rest = (float(group["lr"]) for group in made[0].param_groups)
     assert 0 < rest < args.learning_rate, f"the learning rate ended at {rest}, not annealed below {args.learning_rate}"
-    assert first == pytest.approx(rest / 10, rel=1e-12), f"the first group's rate ended at {first}, not {rest / 10}"
+    assert first == pytest.approx(rest / 10, rel=1e-6), f"the first group's rate ended at {first}, not {rest / 10}"
 
 
 # The tests, on a copy -------------------------------------------------------------------------
@@ -896,11 +986,7 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
 
 
 @pytest.mark.parametrize("change, message", [
-    ("shared", "the stacked seeds take Adam's step written out, plain in each param group, on the agent's parameters; "
-               "here: a parameter of the agent is in two places"),
-    ("adamw", "--num-seeds: the stacked seeds take Adam's step written out, plain in each param group, on the agent's "
-              "parameters; here: AdamW with weight_decay, not plain Adam"),
-    ("two optimizers", "here: the optimizer holds other parameters than the agent's trainable ones"),
+    ("sgd", "--num-seeds: the stacked seeds' optimizer must be ladder.optim.Adam, whose step vmap runs"),
     ("backward", "--num-seeds: backward() called inside a functorch transform"),
     ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
     ("metric", "stats['charts/weight_sum'] has shape (); run.log takes one number per seed under --num-seeds 2"),
@@ -912,12 +998,8 @@ def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, m
     before it reads as an error: not seed 1's value silently used for every seed, not 67 lines of traceback (the
     issue's copy with two optimizers), not a result line per seed reading `error: total_env_steps 0, ...`."""
     module = import_script("ppo_cartpole_gpu")
-    if change == "shared":
-        monkeypatch.setattr(module, "Agent", shared_trunk(module))
-    if change == "adamw":
-        adamw_two_groups(module, monkeypatch)
-    if change == "two optimizers":
-        two_adam_optimizers(module, monkeypatch)
+    if change == "sgd":  # torch's, whose step() vmap cannot run
+        monkeypatch.setattr(module, "Adam", lambda agent, lr, eps: torch.optim.SGD(agent.parameters(), lr=lr))
     if change == "backward":  # a copy's update calling backward() itself, inside the stacked call
         real_update = module.update
         monkeypatch.setattr(module, "update", lambda *a: torch.ones(1, requires_grad=True).sum().backward() or

@@ -30,18 +30,22 @@ def test_compute_returns_matches_reference_loop():
 
 
 def test_loss_is_minus_mean_logprob_times_normalised_return():
+    """Over the steps the batch's mask keeps (each env's first episode), as the same loss over those rows alone."""
     torch.manual_seed(0)
     agent = R.Agent(4, 2)
     obs, actions, returns = torch.randn(50, 4), torch.randint(0, 2, (50,)), torch.randn(50) * 3 + 1
+    first = (torch.rand(50) < 0.6).float()
     args = R.Args(normalize_returns=True, ent_coef=0.0)
-    loss, stats = R.reinforce_loss(agent, args, R.Batch(obs, actions, returns))
-    logp = torch.distributions.Categorical(logits=agent.actor(obs)).log_prob(actions)
-    expected = -(logp * (returns - returns.mean()) / returns.std(correction=0)).mean()
+    loss, stats = R.reinforce_loss(agent, args, R.Batch(obs, actions, returns, first))
+    kept = first > 0
+    logp = torch.distributions.Categorical(logits=agent.actor(obs[kept])).log_prob(actions[kept])
+    g = returns[kept]
+    expected = -(logp * (g - g.mean()) / g.std(correction=0)).mean()
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
     assert set(stats) == {"losses/policy_loss", "losses/entropy", "losses/total_loss"}
     torch.testing.assert_close(stats["losses/total_loss"], expected.detach(), atol=1e-5, rtol=1e-5)
-    raw, _ = R.reinforce_loss(agent, R.Args(normalize_returns=False), R.Batch(obs, actions, returns))
-    torch.testing.assert_close(raw, -(logp * returns).mean(), atol=1e-6, rtol=1e-6)
+    raw, _ = R.reinforce_loss(agent, R.Args(normalize_returns=False), R.Batch(obs, actions, returns, first))
+    torch.testing.assert_close(raw, -(logp * g).mean(), atol=1e-6, rtol=1e-6)
 
 
 def record(monkeypatch, args: R.Args):
@@ -56,7 +60,7 @@ def record(monkeypatch, args: R.Args):
         return steps
 
     def recording_gradient_step(agent, optimizer, loss_fn, args, batch, idx=None):
-        batches.append(batch)
+        batches.append(type(batch)(*(x.clone() for x in batch)))  # (views of the storage the next rollout fills)
         return gradient_step(agent, optimizer, loss_fn, args, batch, idx)
 
     def recording_log(run, env_steps, stats, episodes, rollout=None):
@@ -89,10 +93,12 @@ def test_rollouts_train_on_and_log_each_envs_first_episode(in_tmp, monkeypatch):
         assert first_end.max() + 1 <= steps < first_end.max() + 11
         later_episodes += int(dones.sum()) - N
         in_first = np.arange(steps)[:, None] <= first_end[None, :]  # (T, N), time-major as the batch
-        np.testing.assert_array_equal(batch.obs.numpy(), rollout.obs.numpy()[in_first])
-        np.testing.assert_array_equal(batch.actions.numpy(), rollout.actions.numpy()[in_first])
+        trained = batch.first.numpy() > 0  # the mask over the T*N rows (time-major)
+        np.testing.assert_array_equal(trained, in_first.reshape(-1))
+        np.testing.assert_array_equal(batch.obs.numpy()[trained], rollout.obs.numpy()[in_first])
+        np.testing.assert_array_equal(batch.actions.numpy()[trained], rollout.actions.numpy()[in_first])
         expected_returns = reference_returns(rollout.rewards.numpy(), dones, args.gamma)[in_first]
-        np.testing.assert_allclose(batch.returns.numpy(), expected_returns, rtol=1e-5)
+        np.testing.assert_allclose(batch.returns.numpy()[trained], expected_returns, rtol=1e-5)
         assert env_steps == steps * N
         assert sorted(lengths.tolist()) == sorted((first_end + 1).tolist())
         assert sorted(returns.tolist()) == sorted((first_end + 1.0).tolist())  # CartPole: +1 a step
@@ -122,7 +128,7 @@ def test_trained_and_logged_episodes_are_unbiased(in_tmp, monkeypatch):
     lengths = torch.cat([lengths for _, _, lengths in logs]).float()
     assert len(lengths) >= 1500  # standard error of the mean ~12 / sqrt(1500) ~ 0.3, ~1.4% of it
     assert lengths.mean().item() == pytest.approx(reference, rel=0.04)
-    assert sum(len(batch.actions) for batch in batches) == lengths.sum().item()  # trained: the same episodes
+    assert sum(batch.first.sum().item() for batch in batches) == lengths.sum().item()  # trained: the same episodes
 
 
 def test_num_steps_below_the_episode_limit_is_refused():

@@ -307,7 +307,7 @@ def test_ctrl_c_after_a_sigterm_stops_at_once(in_tmp):
     with pytest.raises(KeyboardInterrupt) as stopped:
         with Run(P.Args(progress_bar=False, eval_episodes=0), P.evaluate, P.record_video) as run:
             run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10)
-            run.request_stop(signal.SIGTERM, None)  # what the SIGTERM handler does
+            run.signals.request(signal.SIGTERM, None)  # what the SIGTERM handler does
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)  # the KeyboardInterrupt comes at once
     assert not stopped.value.args  # a plain KeyboardInterrupt, not the end-of-iteration stop (which carries a signal)

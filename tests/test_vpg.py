@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import vpg as V
+from ladder.optim import Adam
 
 pytestmark = pytest.mark.quick  # in the two-minute run: python -m pytest -m quick
 
@@ -90,7 +91,7 @@ def test_rollout_reuse_takes_importance_weighted_steps(uses, monkeypatch):
     args = V.Args(num_envs=32, num_steps=16, rollout_use_count=uses)
     batch = cartpole_batch(agent, args)
     before = [p.detach().clone() for p in agent.parameters()]
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)
     calls = []
     gradient_step = functools.partial(
         V.gradient_step, agent, optimizer, lambda *a: calls.append(a) or V.vpg_loss(*a), args
