@@ -39,8 +39,8 @@ class Seed:
         self.objects, self.per_rank, self.total_steps, saved, a = objects, per_rank, total_steps, self.saved, self.args
         groups = zip(saved["optimizer"]["param_groups"] if saved else [], objects["optimizer"].param_groups)
         for theirs, group in groups:
-            for key in [k for k, v in theirs.items() if k not in ("params", "lr") and group.get(k) != v]:
-                note(f"the checkpoint's optimizer {key} {theirs[key]} replaces the code's {group.get(key)}")
+            for key in [k for k, v in theirs.items() if k in group and k not in ("params", "lr") and group[k] != v]:
+                note(f"the checkpoint's optimizer {key} {theirs[key]} replaces the code's {group[key]}")
         try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save` wrote
             if self.model is not None:
                 objects["agent"].load_state_dict(self.model.get("agent", self.model))

@@ -1,11 +1,14 @@
-"""Runs recorded before the layout change (issue 45, at 1fff926, when every script carried its own machinery): the
-scalars each script's defaults logged, and a checkpoint a stopped run left, so that tests/test_layout.py can check
-that the move into ladder/ changed nothing a run writes. Recorded with
+"""Runs recorded at a baseline commit: the scalars each script's defaults logged, and a checkpoint a stopped run left,
+so that tests/test_layout.py can check that a change to the machinery changes nothing a run writes. Recorded with
 
-    python tests/recorded.py        # writes tests/data/recorded_1fff926.json and tests/data/ppo_stopped_1fff926/
+    python tests/recorded.py        # writes tests/data/recorded_<BASELINE>.json and tests/data/ppo_stopped_<BASELINE>/
 
-on a 2-core AMD EPYC, one torch thread, before the move (`record` runs whatever code is checked out: rerun it only to
-record a new baseline). The runs are short (a few iterations) and on the CPU."""
+on a 2-core AMD EPYC, one torch thread (`record` runs whatever code is checked out: rerun it only to record a new
+baseline, in a commit of its own that says why). The runs are short (a few iterations) and on the CPU.
+
+Baselines: 1fff926 (issue 45, before the machinery moved into ladder/); 8e5a547 (issue 56: ladder's flat Adam, the
+noise of K seeds drawn in one call, argsort permutations and REINFORCE's masked batch changed the numbers). The
+1fff926 checkpoint stays, as a checkpoint of the format before ladder's Adam, which a resume refuses in one line."""
 
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-SCALARS = os.path.join(DATA, "recorded_1fff926.json")
-STOPPED = os.path.join(DATA, "ppo_stopped_1fff926")
+BASELINE = "8e5a547"
+SCALARS = os.path.join(DATA, f"recorded_{BASELINE}.json")
+STOPPED = os.path.join(DATA, f"ppo_stopped_{BASELINE}")
 """The run folder (its checkpoint.pt and summary.json) of PPO's `RESUMED` run stopped after iteration 2."""
+OLD_FORMAT = os.path.join(DATA, "ppo_stopped_1fff926")
+"""The same, written before ladder's flat Adam: its optimizer state is torch's Adam's, per parameter."""
 
 # Each script's defaults, seed 1, for a few iterations (REINFORCE: rollouts). Brax on inverted_pendulum with 16 envs
 # rather than ant with 2,048: the same code, without ant's 80 s of JAX compilation on a CPU (16 envs: the evaluation's
@@ -87,7 +93,7 @@ def run_config(module, config: str, cwd: str) -> list[dict]:
     return [scalars(d) for d in folders(cwd)]
 
 
-def record() -> None:  # run by hand, on the code the runs are to be recorded of (here: 1fff926)
+def record() -> None:  # run by hand, on the code the runs are to be recorded of (BASELINE)
     import importlib
 
     sys.path.insert(0, ROOT)

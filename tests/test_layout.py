@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import recorded
-from conftest import ALL_SCRIPTS, PATHS, ROOT, SCRIPTS, assert_close, import_script
+from conftest import ALL_SCRIPTS, PATHS, ROOT, SCRIPTS, assert_close, assert_one_error_line, call_main, import_script
 from ladder.flags import RUN_FLAGS, RunFlags
 
 LADDER = sorted(glob.glob(os.path.join(ROOT, "ladder", "*.py")))
@@ -39,7 +39,7 @@ PPO_SHARED = [
     "update",
 ]
 TENSOR_SCRIPTS = ["ppo_cartpole_gpu", "vpg", "reinforce", "ppo_mujoco_brax"]
-"""The scripts whose phases are tensor code end to end: --compile, --cuda-graph and --num-seeds replace them."""
+"""The scripts whose phases are tensor code end to end: --compile, --cuda-graph and --num-seeds wrap them."""
 
 
 def text(path: str) -> str:
@@ -231,7 +231,7 @@ def test_ladder_is_in_layers():
 
 
 # ---------------------------------------------------------------------------------------------
-# Nothing lost: the runs recorded before the move (tests/recorded.py, at 1fff926)
+# Nothing lost: the runs recorded at the baseline (tests/recorded.py, at recorded.BASELINE)
 # ---------------------------------------------------------------------------------------------
 def recorded_scalars() -> dict:
     with open(recorded.SCALARS) as f:
@@ -256,17 +256,17 @@ def assert_scalars_as_recorded(now: list[dict], before: list[dict], what: str) -
     "config",
     [pytest.param(c, marks=pytest.mark.slow) if "--compile" in c else c for c in recorded.CONFIGS],
 )
-def test_defaults_log_the_scalars_recorded_before_the_move(config, tmp_path):
+def test_defaults_log_the_scalars_recorded_at_the_baseline(config, tmp_path):
     """Each script's defaults (seed 1, a few iterations; Brax on inverted_pendulum) log the scalars the scripts logged
-    before the machinery moved into ladder/, K = 1 and K = 2 stacked seeds (and, slow, --compile)."""
+    at the baseline commit, K = 1 and K = 2 stacked seeds (and, slow, --compile)."""
     module = import_script(recorded.script_of(config))
     now = recorded.run_config(module, config, str(tmp_path))
     assert_scalars_as_recorded(now, recorded_scalars()[config], config)
 
 
-def test_a_checkpoint_written_before_the_move_resumes_as_one_run(tmp_path, capsys):
-    """PPO's checkpoint of a run stopped after iteration 2 of 4, written before the move, resumes; iterations 3-4 log
-    what the run straight through logged then."""
+def test_a_checkpoint_written_at_the_baseline_resumes_as_one_run(tmp_path, capsys):
+    """PPO's checkpoint of a run stopped after iteration 2 of 4, written at the baseline commit, resumes; iterations
+    3-4 log what the run straight through logged then."""
     folder = tmp_path / "runs" / "CartPole-v1__cut__1__1"
     shutil.copytree(recorded.STOPPED, folder)
     ppo = import_script("ppo_cartpole_gpu")
@@ -283,6 +283,17 @@ def test_a_checkpoint_written_before_the_move_resumes_as_one_run(tmp_path, capsy
     (whole,) = recorded_scalars()["resumed: one run"]
     resumed = lambda run: {tag: [[step, value] for step, value in points if step > 1024] for tag, points in run.items()}
     assert_scalars_as_recorded([resumed(recorded.scalars(str(folder)))], [resumed(whole)], "resumed")
+
+
+def test_a_checkpoint_of_the_format_before_ladders_adam_is_refused_in_one_line(tmp_path):
+    """A checkpoint written before ladder's flat Adam (torch's Adam state, per parameter, at 1fff926) cannot resume:
+    one `error:` line names its format, and the stopped run's files stay as they were."""
+    folder = tmp_path / "runs" / "CartPole-v1__cut__1__1"
+    shutil.copytree(recorded.OLD_FORMAT, folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    result = call_main("ppo_cartpole_gpu", "--resume", str(folder), cwd=tmp_path)
+    assert_one_error_line(result, "its Adam state is per parameter: a checkpoint from before ladder's flat Adam")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 # ---------------------------------------------------------------------------------------------
