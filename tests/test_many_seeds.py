@@ -268,3 +268,19 @@ def test_a_seed_at_its_target_does_not_stop_the_others_resuming(in_tmp, monkeypa
     train_seeds(P, replace(args, resume=group))
     statuses = [read_json(os.path.join(d, "summary.json"))["status"] for d in dirs]
     assert statuses == ["target return reached", "completed"]
+
+
+def test_a_seed_of_k_resumes_alone_from_its_own_folder(in_tmp, monkeypatch):
+    """Each seed's folder is a run of its own: one of two stacked seeds stopped by SIGTERM resumes alone (--resume its
+    folder, one seed), from its own checkpoint, on its own stream from then on, and completes."""
+    P = import_script("ppo_cartpole_gpu")
+    args = small_args(P, num_seeds=2, exp_name="cut", eval_episodes=0)
+    stop_with_sigterm_at(P, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(P, args)
+    _, dirs = folders(in_tmp, "cut")
+    stopped = read_json(os.path.join(dirs[1], "summary.json"))
+    P.train(replace(args, num_seeds=1, seed=2, resume=dirs[1]))
+    resumed = read_json(os.path.join(dirs[1], "summary.json"))
+    assert (stopped["status"], stopped["iterations"]) == ("interrupted", 3)
+    assert (resumed["status"], resumed["iterations"], resumed["seed"]) == ("completed", 6, 2)
