@@ -1,12 +1,15 @@
 """A run folder's outputs: TensorBoard, W&B (--track), the progress bar or a plain line now and then, videos."""
 
 import importlib
+import math
 import os
 import sys
 import time
 from dataclasses import asdict
 
 from tqdm import tqdm
+
+from ladder.flags import UsageError
 
 PROGRESS_LINE_SECONDS = 30.0  # without a terminal (nohup, CI): a plain progress line this often, for the bar
 
@@ -21,13 +24,17 @@ class Outputs:
             wandb = importlib.import_module("wandb")
             settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group)
             this_run = dict(name=os.path.basename(dir), id=wandb_id, resume="allow", config=asdict(args))
-            self.wandb = wandb.init(reinit="create_new", **settings, **this_run)
+            try:
+                self.wandb = wandb.init(reinit="create_new", **settings, **this_run)
+            except wandb.errors.Error as e:  # no login, no network: one line saying the way round
+                raise UsageError(f"--track: {e} (or WANDB_MODE=offline, synced later by `wandb sync`)") from None
             self.wandb.define_metric("*", step_metric="global_step")  # TensorBoard's x-axis
         if args.progress_bar and not args.eval_only and sys.stderr.isatty():  # a log file would fill with redraws
             end = None if args.target_return is None else f"until return {args.target_return:g}"  # or the ETA's end
             self.progress = tqdm(total=total_steps, initial=done_steps, unit_scale=True, desc=end)
-        elif args.progress_bar and not args.eval_only:  # no terminal: a plain line now and then
-            self.last_line = time.perf_counter()
+        elif args.progress_bar and not args.eval_only:  # no terminal: a line now, after iteration 1, every 30 s
+            self.last_line = -math.inf
+            print(f"{dir}: training on {args.device}, {total_steps:,} steps", file=sys.stderr)
 
     def write(self, rows: list) -> None:
         """Rows (env step, {tag: number}), each one TensorBoard event (add_scalar costs ~0.1 ms a tag) and W&B row."""

@@ -97,8 +97,9 @@ class Run(contextlib.AbstractContextManager):
         for seed in np.nonzero((mean >= a.target_return) & ~p.target_reached)[0] if a.target_return is not None else ():
             ok, seconds = self.all.confirmed(self.runs[seed], mean[seed], self.evaluate, self.note, self.device)
             p.target_reached[seed], self.clock = ok, self.clock + seconds  # a seed of K trains on; not training time
-        if self.rank == 0:
+        if self.rank == 0:  # the outputs (a video, TensorBoard) are not training time either
             self.all.report(tags, columns, int(numbers[0, 0]), self.total_steps, self.record_video, rollout)
+            self.clock = time.perf_counter()
         self.stopping = int(numbers[:, 1].max())  # the ranks stop together
         if not self.looping:  # log called from a loop of the code's own: the end of the iteration is now
             self.end_of_iteration()

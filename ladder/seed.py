@@ -99,11 +99,9 @@ class Seed:
             self.checkpointed = self.progress.iteration
             if self.rank == 0:
                 saved = {k: state(v) for k, v in kept(self.objects).items() if k not in own}
-                saved |= dict(ranks=ranks, script=self.script, args=asdict(self.args))
-                saved |= dict(
-                    counters=self.progress.counters(self.index), recent_returns=self.progress.recent(self.index)
-                )
-                saved["wandb_id"] = self.outputs.wandb and self.outputs.wandb.id
+                p, i, wandb = self.progress, self.index, self.outputs.wandb
+                saved |= dict(ranks=ranks, script=self.script, args=asdict(self.args), counters=p.counters(i))
+                saved |= dict(recent_returns=p.recent(i), wandb_id=wandb and wandb.id)
                 # copies: a view would save its whole storage (K seeds' stacked tensors: each file K times too big)
                 saved = pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, saved)
                 write_atomically(os.path.join(self.dir, "checkpoint.pt"), saved)

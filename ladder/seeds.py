@@ -59,8 +59,9 @@ class Seeds:
 
     def flush(self) -> None:
         """The scalars since the last flush to each seed's TensorBoard and W&B (a NaN statistic: no value)."""
+        numbers = lambda tags, values: {tag: float(v) for tag, v in zip(tags, values) if math.isfinite(v)}
         for seed, run in enumerate(self.runs):
-            run.outputs.write([(step, finite(tags, row[seed])) for step, tags, row in self.rows])
+            run.outputs.write([(step, numbers(tags, row[seed])) for step, tags, row in self.rows])
         self.rows, self.flushed = [], time.perf_counter()
 
     def checkpoint(self, note) -> None:
@@ -150,11 +151,6 @@ def write_aggregate(folder: str, dirs: list[str], args, final: bool) -> None:
         json.dump({"run_dirs": dirs, "num_seeds": len(dirs), **agg, "args": asdict(args)}, f, indent=2)
     if final and summaries:
         print(f"{len(dirs)} seeds: {line(agg)}; outputs in {folder}")
-
-
-def finite(tags: list, values) -> dict:
-    """The numbers among `values`, by tag."""
-    return {tag: float(value) for tag, value in zip(tags, values) if math.isfinite(value)}
 
 
 def quiet(message: str) -> None:

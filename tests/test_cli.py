@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import imageio_ffmpeg
 import pytest
@@ -170,6 +171,20 @@ def test_without_a_terminal_progress_comes_as_plain_lines(seeds, in_tmp, monkeyp
     assert " steps, " not in quiet.stderr
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_without_a_terminal_a_run_shows_signs_of_life_at_once(script, in_tmp):
+    """Under nohup: a first line at once naming the run folder, the device and the steps, and a progress line after
+    the first iteration (then one every 30 s: none more in a short run). Before, vpg was silent for 24 s and Atari
+    for 45 s (ladder's outputs do this for all five scripts)."""
+    steps = "12000" if origin(script) == "reinforce" else "2048"
+    flags = ["--num-envs", "32", "--total-timesteps", steps, "--eval-episodes", "0", "--device", "cpu"]
+    result = call_main(script, *flags, cwd=in_tmp)
+    assert result.returncode == 0, result.stderr
+    first, *rest = [line for line in result.stderr.splitlines() if not line.startswith("note: ")]
+    assert re.fullmatch(r"runs/CartPole-v1__\w+__1__\d+: training on cpu, [\d,]+ steps", first), result.stderr
+    assert len([line for line in rest if " steps, " in line]) == 1, result.stderr
+
+
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
     result = run_script("ppo_cartpole_gpu", "--device", "cuda", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and result.stderr.strip() == (
@@ -228,3 +243,73 @@ def test_env_size_must_match_num_envs(script, in_tmp):
     module = importlib.import_module(script)
     with pytest.raises(module.UsageError, match="the env has 8 envs but --num-envs is 64"):
         module.train(module.Args(num_envs=64, num_steps=16, progress_bar=False), envs=Probe1(8, "cpu"))
+
+
+# Setup failures: one line, a non-zero exit, nothing lost ---------------------------------------
+SHORT = ["--num-envs", "8", "--num-steps", "16", "--total-timesteps", "256", "--eval-episodes", "0",
+         "--no-progress-bar"]  # fmt: skip
+
+
+def assert_one_failure_line(result, message: str) -> None:
+    """A failure of the machine's, not a flag: exit code 1 and exactly one `error: ...` line, no traceback."""
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not [line for line in result.stderr.splitlines() if line.startswith("  File ")], result.stderr
+
+
+@pytest.mark.quick
+def test_a_folder_the_run_cannot_write_ends_in_one_line(tmp_path):
+    """An output folder that cannot be written (here a file where `runs/` goes: as root, a read-only folder would
+    still be writable) ends in one line naming it. Before: a 39-line traceback (`Read-only file system`)."""
+    (tmp_path / "runs").write_text("not a folder")
+    result = call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path)
+    assert_one_failure_line(result, "'runs/CartPole-v1__ppo_cartpole_gpu__1__")
+    assert "a run needs a folder it may write to, with room" in result.stderr
+
+
+def test_track_without_a_wandb_login_ends_in_one_line(tmp_path):
+    """--track with no W&B login (no key, no netrc) ends in one line saying how: `wandb login` or offline. Before: a
+    35-line traceback (`No API key configured`)."""
+    env = {"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": "online", "WANDB_DIR": str(tmp_path)}
+    result = run_script("ppo_cartpole_gpu", *SHORT, "--track", cwd=tmp_path, env=env, timeout=120)
+    assert_one_error_line(result, "--track: No API key configured. Use `wandb login` to log in. (or WANDB_MODE=offline")
+
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_ends_in_one_line(in_tmp, monkeypatch):
+    """The disk fills while iteration 3's checkpoint is written: the run ends in one line, and iteration 2's
+    checkpoint is still there and resumes."""
+    import ladder.checkpoint
+
+    saves, real_save = [], torch.save
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(f)
+        if len(saves) == 3:  # half a file written, then the disk is full
+            f.write(b"partial")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ladder.checkpoint.torch, "save", save)
+    result = call_main("ppo_cartpole_gpu", *SHORT[:4], "--total-timesteps", "640", "--checkpoint-interval", "1",
+                       "--eval-episodes", "0", "--no-progress-bar", cwd=in_tmp)  # fmt: skip
+    assert_one_failure_line(result, "No space left on device: a run needs a folder it may write to")
+    monkeypatch.undo()
+    folder = only_run_dir(in_tmp)
+    saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    assert saved["counters"]["iteration"] == 2
+    resumed = call_main("ppo_cartpole_gpu", "--resume", folder, cwd=in_tmp)
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def test_filming_is_not_training_time(in_tmp, monkeypatch):
+    """--capture-video's videos during training are not counted in wall_seconds or SPS (here each takes 2 s). Before,
+    filming raised a run's training time from 1.6 to 11.5 s."""
+    import ladder.seed
+
+    monkeypatch.setattr(ladder.seed.Seed, "film", lambda self, record_video, rollout: time.sleep(2.0))
+    args = P.Args(num_envs=32, total_timesteps=32 * 16 * 3, eval_episodes=0, progress_bar=False, device="cpu",
+                  capture_video=True, video_interval=1, target_return=None)  # fmt: skip
+    P.train(args)
+    (summary,) = [read_json(path) for path in glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))]
+    assert summary["iterations"] == 3 and summary["wall_seconds"] < 2.0, summary

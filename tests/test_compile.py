@@ -239,3 +239,19 @@ def test_torch_still_cannot_compile_the_gradient_of_a_module_in_two_places():
         assert "TensorWrapper" in str(e) or "functorch" in str(e), str(e)[:500]
     else:
         pytest.skip(f"torch {torch.__version__} compiles it")
+
+
+def test_the_inductor_option_is_passed_only_where_torch_has_it(monkeypatch):
+    """torch 2.11 (on the H200 machine) has no `realize_cpu_opcount_threshold`, and `torch.compile(options=...)` with
+    it raised "Unexpected optimization option", failing every compiled CUDA test there. Faked here: a torch without
+    the option compiles with none; the pinned one gets it (it bounds CPU codegen only, so CUDA graphs ignore it)."""
+    import types
+
+    import torch._inductor
+
+    given = []
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, options: given.append(options) or fn)
+    assert compiled(lambda x: x + 1)(torch.ones(1)).item() == 2.0
+    monkeypatch.setattr(torch._inductor, "config", types.SimpleNamespace(fallback_random=False))  # as torch 2.11's
+    assert compiled(lambda x: x + 1)(torch.ones(1)).item() == 2.0
+    assert given == [{"realize_cpu_opcount_threshold": 30}, {}]
