@@ -69,16 +69,10 @@ class Progress:
     def counters(self, seed: int) -> dict:
         """Seed `seed`'s counters as a checkpoint and summary.json keep them."""
         solved = not math.isnan(self.solved_step[seed])
-        return dict(
-            iteration=self.iteration,
-            global_step=self.global_step,
-            episodes=int(self.episodes[seed]),
-            seconds=self.seconds,
-            timed_steps=self.timed_steps,
-            target_reached=bool(self.target_reached[seed]),
-            solved_step=int(self.solved_step[seed]) if solved else None,
-            solved_seconds=float(self.solved_seconds[seed]) if solved else None,
-        )
+        step, seconds = (int(self.solved_step[seed]), float(self.solved_seconds[seed])) if solved else (None, None)
+        c = dict(iteration=self.iteration, global_step=self.global_step, seconds=self.seconds)
+        c |= dict(timed_steps=self.timed_steps, episodes=int(self.episodes[seed]))
+        return c | dict(target_reached=bool(self.target_reached[seed]), solved_step=step, solved_seconds=seconds)
 
     def restore(self, seed: int, counters: dict, recent: list[float]) -> None:
         """Seed `seed`'s counters and last returns as a checkpoint kept them."""
