@@ -43,7 +43,8 @@ def check_run_flags(args) -> torch.device:
     if args.resume:  # one rule: the checkpoint's algorithm flags, all but the run's (`RunFlags`), are kept
         saved = read_checkpoint(args.resume, script_file(type(args)))
         algorithm = [name for name in type(args).__dataclass_fields__ if name not in RUN_FLAGS]
-        kept = "the checkpoint's {} (--resume may change only the run's flags, --total-timesteps to --progress-bar)"
+        may = ", ".join(f"--{name.replace('_', '-')}" for name in RUN_FLAGS)
+        kept = f"the checkpoint's {{}} (--resume may change only {may})"
         check_flags(
             args, {n: (getattr(args, n) == saved["args"].get(n), kept.format(saved["args"].get(n))) for n in algorithm}
         )
@@ -69,7 +70,8 @@ def parse_args(Args):
         rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
         message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
         hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
-        unknown = re.match(r"Unrecognized options?: (--[\w-]+)", message)
+        if unknown := re.match(r"Unrecognized options?: (--[\w-]+)", message):  # not its value, as a second flag
+            message = f"unrecognized option {unknown[1]}"
         hint = (unknown and flag_meant(unknown[1], Args)) or hint and hint.rstrip(",")  # tyro's lists: "--a, --no-a"
         raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
 

@@ -31,8 +31,7 @@ class RunFlags:
     compile: bool = False
     """torch.compile the phases of an iteration (iteration 1 compiles: not counted in SPS)"""
     cuda_graph: bool = True
-    """on a GPU, record an iteration's device work once as a CUDA graph and replay it; --no-cuda-graph: the loop as
-    written (docs/running.md: GPU). On the CPU it changes nothing"""
+    """on a GPU, record an iteration once as a CUDA graph and replay it (--no-cuda-graph: the loop as written)"""
     num_seeds: int = 1
     """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
     track: bool = False
@@ -63,7 +62,7 @@ class RunFlags:
     """show a live progress bar with SPS, the recent return and the time left"""
 
 
-RUN_FLAGS = {f.name for f in fields(RunFlags)}
+RUN_FLAGS = [f.name for f in fields(RunFlags)]
 """The flags a --resume may change; every other field of a script's `Args` is the algorithm's."""
 
 

@@ -6,7 +6,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -29,6 +29,8 @@ class Seed:
         self.rank, self.world_size = rank, world_size
         self.saved = read_checkpoint(args.resume, script) if args.resume else None
         self.model = read_checkpoint(args.load_model, script, "--load-model") if args.load_model else None
+        if args.eval_only and "args" in self.model:  # a checkpoint's: its folder and evaluation take its seed
+            args = self.args = replace(args, seed=self.model["args"]["seed"])
         resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
         self.dir = resumed or new_folder(f"{args.env_id}__{args.exp_name}__{args.seed}")
         self.outputs, self.eval_returns, self.own = None, None, contextlib.nullcontext
@@ -67,12 +69,11 @@ class Seed:
 
     def restore(self, saved: dict, obs, note):
         """--resume: the counters, last returns, this rank's RNGs and envs from `saved`; the envs' observation."""
-        done = saved["counters"]["target_reached"] and saved["args"]["target_return"] == self.args.target_return
-        done = done or saved["counters"]["global_step"] >= self.total_steps  # it would only evaluate again
-        if done and self.progress.k == 1:  # one of K seeds trains on with the others (seeds_flags: all K ended)
-            raise UsageError(
-                f"--resume {self.args.resume}: the run has ended; raise --total-timesteps or --target-return"
-            )
+        c = saved["counters"]  # a run that has ended would only evaluate again; one of K seeds trains on (seeds_flags)
+        reached = c["target_reached"] and saved["args"]["target_return"] == self.args.target_return
+        if (reached or c["global_step"] >= self.total_steps) and self.progress.k == 1:
+            more = "pass --target-return None, or a higher one" if reached else "raise --total-timesteps"
+            raise UsageError(f"--resume {self.args.resume}: the run has ended; to train on, {more}")
         self.progress.restore(self.index, saved["counters"], saved["recent_returns"])
         self.checkpointed, mine = saved["counters"]["iteration"], saved["ranks"][self.rank]
         torch.set_rng_state(mine["rng"])

@@ -160,13 +160,14 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
     del older["agent"]["actor.0.bias"]
     torch.save(older, tmp_path / "older.pt")
     for script, flags, message in (
-        ("ppo_cartpole_gpu", ["--resume", "runs/none"], "--resume runs/none: no such file"),
+        ("ppo_cartpole_gpu", ["--resume", "runs/none"], "--resume runs/none: no such file or folder"),
         ("ppo_cartpole_gpu", ["--resume", "corrupt.pt"], "--resume corrupt.pt is not a readable checkpoint"),
         ("vpg", ["--resume", folder], "was written by ppo_cartpole_gpu.py, not vpg.py"),
-        ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"], "--gamma must be the checkpoint's 0.99 (--resume"),
+        ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"],
+         "--gamma must be the checkpoint's 0.99 (--resume may change only --total-timesteps, --target-return, "),
         ("ppo_cartpole_gpu", ["--resume", model], "holds weights only; evaluate them with --eval-only --load-model"),
         ("ppo_cartpole_gpu", ["--resume", "older.pt"], '--resume older.pt does not fit this agent: Missing key(s) in'),
-        ("ppo_cartpole_gpu", ["--resume", folder], "the run has ended; raise --total-timesteps or --target-return"),
+        ("ppo_cartpole_gpu", ["--resume", folder], "the run has ended; to train on, raise --total-timesteps"),
         ("ppo_cartpole_gpu", ["--eval-only"], "--eval-only and --load-model PATH go together"),
         ("ppo_cartpole_gpu", ["--load-model", model], "--eval-only and --load-model PATH go together"),
         ("reinforce", ["--eval-only", "--load-model", model], f"--load-model {model} does not fit this agent"),
@@ -347,3 +348,18 @@ print("returned")
     summary = read_json(os.path.join(folder, "summary.json"))
     assert summary["status"] == "completed" and summary["iterations"] == 2 and summary["eval_returns"] is None
     assert torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)["counters"]["iteration"] == 2
+
+
+def test_eval_only_of_a_checkpoint_takes_its_seed(tmp_path):
+    """--eval-only of seed 2's checkpoint, --seed left out: the new folder and the evaluation are seed 2's (the same
+    returns as the run's own final evaluation). Before, the folder was named __1__ and the episodes were seed 1's."""
+    train = call_main("ppo_cartpole_gpu", "--seed", "2", "--total-timesteps", "4096", "--num-envs", "32",
+                      "--eval-episodes", "3", "--exp-name", "trained", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+    assert train.returncode == 0, train.stderr
+    trained = read_json(os.path.join(run_dir(tmp_path, "trained"), "summary.json"))
+    result = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", run_dir(tmp_path, "trained"),
+                       "--eval-episodes", "3", "--exp-name", "evaluated", "--num-envs", "32", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "__evaluated__2__" in run_dir(tmp_path, "evaluated")
+    evaluated = read_json(os.path.join(run_dir(tmp_path, "evaluated"), "summary.json"))
+    assert evaluated["seed"] == 2 and evaluated["eval_returns"] == trained["eval_returns"]

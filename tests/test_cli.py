@@ -102,9 +102,9 @@ COMMON_BAD_FLAGS = [
     (["--total-timesteps", "-5"], "--total-timesteps must be "),
     (["--env-id", "MountainCar-v0"], "invalid choice 'MountainCar-v0' for argument '--env-id'. Expected one of ("),
     (["--num-envs", "many"], "Error parsing --num-envs: invalid literal for int()"),
-    (["--num-env", "3"], "Unrecognized options: --num-env, 3; did you mean --num-envs?"),
-    (["--lr", "0.001"], "Unrecognized options: --lr, 0.001; did you mean --learning-rate?"),  # (was: --anneal-lr,)
-    (["--no-progres-bar"], "Unrecognized options: --no-progres-bar; did you mean --no-progress-bar?"),
+    (["--num-env", "3"], "unrecognized option --num-env; did you mean --num-envs?"),  # (was: "options: --num-env, 3")
+    (["--lr", "0.001"], "unrecognized option --lr; did you mean --learning-rate?"),  # (was: --anneal-lr,)
+    (["--no-progres-bar"], "unrecognized option --no-progres-bar; did you mean --no-progress-bar?"),
     (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
     (["--learning-rate", "nan"], "--learning-rate must be > 0"),
     (["--device", "tpu7"], "--device"),
