@@ -341,3 +341,15 @@ def test_a_copy_outside_the_repository_trains_after_pip_install_e(tmp_path):
     tested = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = (tested.stdout + tested.stderr).strip().splitlines()
     assert tested.returncode == 4 and len(lines) == 1 and f"writing --script={copy} for a copy" in lines[0], lines
+
+
+@pytest.mark.quick
+def test_every_figure_readme_quotes_lives_in_docs_benchmarks():
+    """One home for each measured figure: a time, a rate, a ratio or a size README quotes is in docs/benchmarks.md,
+    with its command, machine and date (README links there rather than restating its own)."""
+    number = r"\d[\d,]*(?:\.\d+)?"
+    figure = re.compile(rf"(?<![\w.])({number}(?:–{number})?) ?(?:s|ms|µs|x|GB|MiB|MB|min|SPS)(?!\w)")
+    readme, benchmarks = text(os.path.join(ROOT, "README.md")), text(os.path.join(ROOT, "docs", "benchmarks.md"))
+    held = lambda number: re.search(rf"(?<![\d.,]){re.escape(number)}(?![\d])", benchmarks)  # in a table: no unit
+    homeless = [number for number in figure.findall(readme) if not held(number)]
+    assert not homeless, f"README quotes figures docs/benchmarks.md does not hold: {homeless}"
