@@ -108,8 +108,8 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
         print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
-    except OSError as e:  # an unwritable folder, a full disk: the last checkpoint stays (written atomically)
-        sys.exit(f"error: {e}: a run needs a folder it may write to, with room")
+    except OSError as e:  # an unwritable folder, a full disk (the last checkpoint stays: written atomically), ...
+        sys.exit(f"error: {e}")  # its errno, its words and its file say it: no guess at a cause
     except FloatingPointError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
     except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
