@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
+from ladder.cuda_graph import CudaGraph
 from ladder.distributed import mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
@@ -109,8 +110,6 @@ class Args(RunFlags):
     """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
     eval_episodes: int = 4
     """whole games played by the final policy after training, scored with the real rewards (0 skips)"""
-    cuda_graph: bool = False
-    """off here (on in the tensor scripts): EnvPool steps on the host, and the update is not recorded yet"""
 
     def __post_init__(self):
         """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
@@ -134,7 +133,6 @@ class Args(RunFlags):
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
             "num_seeds": (self.num_seeds == 1, "1: EnvPool runs one seed per process (K processes: a --seed each)"),
-            "cuda_graph": (not self.cuda_graph, "off: EnvPool steps on the host; the update is not recorded yet"),
         }
         no_bf16 = "off here: no bfloat16 hardware (AMX or AVX512-BF16 CPUs, GPUs from Ampere on)"
         rules["bf16"] = (not self.bf16 or has_fast_bf16(self.device), f"{no_bf16} to run it faster than float32")
@@ -243,7 +241,9 @@ class Rollout(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """The valid steps of a rollout, flattened, with what the loss needs."""
+    """A rollout's T steps of every env, flattened, with what the loss needs. The reset steps stay in with `mask` 0,
+    and the loss's means are over the rows with `mask` 1: a batch of one size, whatever the episodes did, so that a
+    CUDA graph can hold the update."""
 
     obs: torch.Tensor
     actions: torch.Tensor
@@ -251,6 +251,7 @@ class Batch(NamedTuple):
     advantages: torch.Tensor
     returns: torch.Tensor
     values: torch.Tensor  # V_old(s)
+    mask: torch.Tensor  # 1.0 for a step the agent's action drove, 0.0 for a reset step
 
 
 @torch.inference_mode()
@@ -334,24 +335,33 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, g
     return advantages, advantages + values
 
 
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of `x` over the rows where `mask` is 1 (0 when there are none)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def ppo_loss(agent: Agent, args: Args, batch: Batch):
-    """Clipped-surrogate PPO loss on a minibatch; returns (loss, statistics keyed by TensorBoard tag)."""
+    """Clipped-surrogate PPO loss on a minibatch, its means over the rows `batch.mask` keeps; returns (loss,
+    statistics keyed by TensorBoard tag)."""
     newlogprob, entropy, newvalue = agent.evaluate(batch.obs, batch.actions)
     logratio = newlogprob - batch.logprobs
     ratio = logratio.exp()
+    mean = functools.partial(masked_mean, mask=batch.mask)
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - logratio).mean()  # the k3 estimator (detail 12)
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+        approx_kl = mean((ratio - 1) - logratio)  # the k3 estimator (detail 12)
+        clipfrac = mean(((ratio - 1.0).abs() > args.clip_coef).float())
     advantages = batch.advantages
-    if args.norm_adv:
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    if args.norm_adv:  # torch's std (n - 1) over the kept rows
+        centred = advantages - mean(advantages)
+        std = ((centred.square() * batch.mask).sum() / (batch.mask.sum() - 1).clamp(min=1.0)).sqrt()
+        advantages = centred / (std + 1e-8)
+    pg_loss = mean(torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)))
     if args.clip_vloss:
         v_clipped = batch.values + (newvalue - batch.values).clamp(-args.clip_coef, args.clip_coef)
-        v_loss = 0.5 * torch.max((newvalue - batch.returns).square(), (v_clipped - batch.returns).square()).mean()
+        v_loss = 0.5 * mean(torch.max((newvalue - batch.returns).square(), (v_clipped - batch.returns).square()))
     else:
-        v_loss = 0.5 * (newvalue - batch.returns).square().mean()
-    entropy_loss = entropy.mean()
+        v_loss = 0.5 * mean((newvalue - batch.returns).square())
+    entropy_loss = mean(entropy)
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
     stats = {
         "losses/policy_loss": pg_loss,
@@ -376,11 +386,12 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     return stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
-    """1 - Var[R - V] / Var[R], the share of the returns' variance the critic explains; NaN when the
-    returns are constant (as in CleanRL), where the ratio means nothing."""
-    var_returns = returns.var()
-    return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R] over the rows `mask` keeps, the share of the returns' variance the critic explains;
+    NaN when the returns are constant (as in CleanRL), where the ratio means nothing."""
+    var = lambda x: masked_mean((x - masked_mean(x, mask)).square(), mask)  # noqa: E731
+    var_returns = var(returns)
+    return torch.where(var_returns == 0, torch.nan, 1 - var(returns - values) / var_returns)
 
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
@@ -396,7 +407,7 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
         if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
-    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
+    return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns, batch.mask)}
 
 
 def train(args: Args) -> Agent:
@@ -420,24 +431,25 @@ def train(args: Args) -> Agent:
         # with --resume: agent, optimizer, RNGs and counters as the checkpoint left them (EnvPool's games start anew;
         # your own state goes in by name: a tensor changed in place, or an object with a state_dict())
         run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
+
+        def learn(tensors):  # GAE, the batch and the update on the rollout's tensors (EnvPool steps on the host)
+            obs, actions, logprobs, values, rewards, terminated, dones, valid = (x[: T + 1] for x in tensors)
+            # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
+            advantages, returns = compute_gae(
+                rewards[:T], values[:T], values[1:], terminated[:T], dones[:T], args.gamma, args.gae_lambda
+            )
+            rows = (x[:T].flatten(0, 1) for x in (obs, actions, logprobs))
+            mask = valid[:T].flatten().float()  # the reset steps weigh nothing in the loss
+            batch = Batch(*rows, advantages.flatten(), returns.flatten(), values[:T].flatten(), mask)
+            return update(step, batch, args)
+
+        if run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
+            learn = CudaGraph(learn, run)
         for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             env_steps = collect_rollout(agent, envs, rollout, env_batch)
-            # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
-            advantages, returns = compute_gae(
-                rollout.rewards[:T],
-                rollout.values[:T],
-                rollout.values[1 : T + 1],
-                rollout.terminated[:T],
-                rollout.dones[:T],
-                args.gamma,
-                args.gae_lambda,
-            )
-            valid = rollout.valid[:T].flatten()  # the reset steps are left out of the loss
-            b_obs, b_actions, b_logprobs, b_values = (x[:T].flatten(0, 1)[valid] for x in rollout[:4])
-            batch = Batch(b_obs, b_actions, b_logprobs, advantages.flatten()[valid], returns.flatten()[valid], b_values)
-            stats = update(step, batch, args)
+            stats = learn(rollout[:8])  # its tensors; the host's bookkeeping (rows filled, games' scores) stays out
             if run.log(env_steps, stats, finished_episodes(rollout), rollout):  # True once the target is reached
                 break
     return agent

@@ -240,8 +240,9 @@ def test_rollout_keeps_each_envs_steps_in_order_and_masks_reset_steps(async_envs
         rollouts.append((rewards.clone(), terminated.clone(), dones.clone()))
         return real_gae(rewards, values, next_values, terminated, dones, *rest)
 
-    def recorded_loss(agent, args, batch):
-        samples.append(len(batch.obs))
+    def recorded_loss(agent, args, batch):  # every minibatch of one size; the reset steps in it weigh 0
+        assert len(batch.obs) == num_envs * num_steps // 2
+        samples.append(int(batch.mask.sum()))
         return real_loss(agent, args, batch)
 
     monkeypatch.setattr(A, "compute_gae", recorded_gae)
@@ -268,12 +269,49 @@ def test_rollout_keeps_each_envs_steps_in_order_and_masks_reset_steps(async_envs
                     next_k[e] += 1
                     valid_rows += 1
                 after_done = bool(dones[t, e])
-        # and the reset steps are not trained on: every sample in this update is a valid row
+        # and the reset steps are not trained on: the rows the loss weighs are the valid ones
     assert sum(samples) == valid_rows
     summary = read_json(glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))[0])
     assert summary["episodes"] > 0 and summary["status"] == "completed"
     # scores are raw rewards summed over a game: env e's game j is steps 7j+1..7j+7
     assert summary["mean_return_last_100"] > 1000
+
+
+@pytest.mark.parametrize("norm_adv, clip_vloss", [(True, True), (False, False)])
+def test_the_masked_loss_is_the_loss_of_the_kept_rows_alone(norm_adv, clip_vloss):
+    """The batch keeps the reset steps with mask 0, so that it has one size (a CUDA graph can hold the update): loss,
+    statistics and gradient must be those of the kept rows alone, whatever the masked rows hold."""
+    torch.manual_seed(0)
+    agent, n = A.Agent(4), 12
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    batch = A.Batch(torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8), torch.randint(0, 4, (n,)),
+                    torch.randn(n) - 1.4, torch.randn(n), torch.randn(n), torch.randn(n), mask)  # fmt: skip
+    junk = (mask == 0).float()
+    masked = A.Batch(*(x if i < 2 else x + 1e3 * junk for i, x in enumerate(batch[:6])), mask)  # junk where masked
+    kept = A.Batch(*(x[mask.bool()] for x in batch[:6]), torch.ones(int(mask.sum())))
+    args = A.Args(norm_adv=norm_adv, clip_vloss=clip_vloss, device="cpu")
+    results = []
+    for b in (masked, kept):
+        agent.zero_grad()
+        loss, stats = A.ppo_loss(agent, args, b)
+        loss.backward()
+        results.append((stats, [p.grad.clone() for p in agent.parameters()]))
+    (stats, grads), (stats_kept, grads_kept) = results
+    for tag in stats:
+        torch.testing.assert_close(stats[tag], stats_kept[tag], msg=tag)
+    for g, g_kept in zip(grads, grads_kept):
+        torch.testing.assert_close(g, g_kept)
+    with torch.no_grad():  # and those are CleanRL's, on plain means and torch's std
+        logprob, entropy, value = agent.evaluate(kept.obs, kept.actions)
+        ratio, adv = (logprob - kept.logprobs).exp(), kept.advantages
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8) if norm_adv else adv
+        pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    torch.testing.assert_close(stats["losses/policy_loss"], pg_loss)
+    torch.testing.assert_close(stats["losses/entropy"], entropy.mean())
+    if not clip_vloss:
+        torch.testing.assert_close(stats["losses/value_loss"], 0.5 * (value - kept.returns).square().mean())
+    ev = A.explained_variance(masked.values, masked.returns, mask)
+    torch.testing.assert_close(ev, 1 - (kept.returns - kept.values).var() / kept.returns.var())
 
 
 @pytest.mark.parametrize("async_envs", [False, True])

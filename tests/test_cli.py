@@ -145,12 +145,12 @@ def test_a_bad_flag_is_one_line_from_a_fresh_interpreter(script, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 @pytest.mark.quick
 @pytest.mark.parametrize("script", ALL_SCRIPTS)
-def test_cuda_graph_is_on_by_default_where_a_script_records(script, monkeypatch):
-    """--cuda-graph is the default of the scripts that record an iteration on a GPU (on the CPU it changes nothing),
-    --no-cuda-graph turns it off; Atari's is off (its update is not recorded) and refused on."""
+def test_cuda_graph_is_on_by_default_in_every_script(script, monkeypatch):
+    """--cuda-graph is the default of every script, Atari's included (its update is recorded on a fixed-size batch);
+    on the CPU it changes nothing. --no-cuda-graph turns it off."""
     module = import_script(script)
     parse = lambda *flags: (monkeypatch.setattr(sys, "argv", [script, *flags]), parse_args(module.Args))[1]
-    assert parse().cuda_graph == (origin(script) != "ppo_atari_envpool")
+    assert parse().cuda_graph
     assert not parse("--no-cuda-graph").cuda_graph
 
 

@@ -215,6 +215,17 @@ def test_brax_records_the_batch_and_the_update_on_cuda(in_tmp, capsys):
         assert torch.equal(value, graphed.state_dict()[key]), key
 
 
+def test_atari_records_gae_and_the_update_on_cuda(in_tmp, capsys):
+    """EnvPool steps on the host; GAE, the fixed-size masked batch and the update are one CUDA graph: bit for bit."""
+    A = import_script("ppo_atari_envpool")
+    args = A.Args(env_id="Pong-v5", num_envs=8, num_steps=32, total_timesteps=8 * 32 * 4, eval_episodes=0,
+                  progress_bar=False, device="cuda")  # fmt: skip
+    graphed, loop, notes = recorded_and_not(A, args, in_tmp, capsys)
+    assert len(notes) == 1 and "recorded learn as one CUDA graph" in notes[0], notes
+    for key, value in loop.state_dict().items():
+        assert torch.equal(value, graphed.state_dict()[key]), key
+
+
 def test_the_same_seed_trains_alike_in_two_processes_on_cuda(tmp_path):
     """Two processes, one seed, 20 iterations of the defaults on the GPU: the same scalars (before: 475 reached at
     94,208 steps in one process and 98,304 in another)."""

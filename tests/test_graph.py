@@ -97,6 +97,27 @@ def test_brax_replays_the_batch_and_the_update(in_tmp, monkeypatch):
     assert_same_run(in_tmp, "plain", "replayed")
 
 
+@pytest.mark.parametrize("async_envs", [False, True])
+def test_atari_replays_gae_and_the_update_on_its_fixed_size_batch(async_envs, in_tmp, monkeypatch, capsys):
+    """EnvPool steps on the host: GAE, the batch (the reset steps kept, masked) and the update are what Atari records,
+    on the rollout's tensors; with the scripted pool, episodes end inside every rollout."""
+    from test_atari import fake_make_env
+
+    module = import_script("ppo_atari_envpool")
+    monkeypatch.setattr(module, "make_env", fake_make_env(period=5))
+    monkeypatch.setattr(module, "atari_game_rule", lambda env_id: (True, ""))
+    args = module.Args(env_id="Fake-v5", num_envs=6, num_steps=8, total_timesteps=6 * 8 * 4, num_minibatches=2,
+                       update_epochs=2, async_envs=async_envs, eval_episodes=0, progress_bar=False, device="cpu",
+                       channels_last=False)  # fmt: skip
+    plain = module.train(replace(args, exp_name="plain"))
+    replayed_on_the_cpu(module, monkeypatch)
+    replayed = module.train(replace(args, exp_name="replayed"))
+    assert "note: --cuda-graph: recorded learn as one CUDA graph" in capsys.readouterr().err
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, replayed.state_dict()[key]), key
+    assert_same_run(in_tmp, "plain", "replayed")
+
+
 @pytest.mark.parametrize("trouble", ["sgd", "recording fails"])
 def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, monkeypatch, capsys):
     """A copy's optimizer of torch's (SGD, stepped after backward(): its learning rate would be frozen into the graph),
