@@ -51,7 +51,7 @@ def update_batches() -> dict:
     g = torch.Generator().manual_seed(3)
     rest = lambda: [torch.randn(32, generator=g) - (1.5 if i == 0 else 0) for i in range(4)]  # noqa: E731
     atari_obs = torch.randint(0, 256, (32, 4, 84, 84), generator=g, dtype=torch.uint8)
-    return {"atari": A.Batch(atari_obs, torch.randint(0, 4, (32,), generator=g), *rest()),
+    return {"atari": A.Batch(atari_obs, torch.randint(0, 4, (32,), generator=g), *rest(), torch.ones(32)),
             "brax": B.Batch(torch.randn(32, 3, generator=g), torch.randn(32, 2, generator=g), *rest())}  # fmt: skip
 
 

@@ -68,6 +68,7 @@ def test_ppo_loss_matches_hand_computed_values(name, clip_vloss):
         advantages=t(ADVANTAGES),
         returns=t(RETURNS),
         values=t(OLD_VALUE),
+        **({"mask": t(np.ones(len(ADVANTAGES)))} if "mask" in mod.Batch._fields else {}),  # Atari's: every row kept
     )  # fields by name: an order change cannot mix them up
     loss, stats = mod.ppo_loss(agent, args, batch)
     v_loss = V_LOSS_CLIPPED if clip_vloss else V_LOSS
@@ -88,10 +89,11 @@ def test_ppo_loss_matches_hand_computed_values(name, clip_vloss):
 @pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg", "ppo_atari_envpool", "ppo_mujoco_brax"])
 def test_explained_variance_is_nan_for_constant_returns(name):
     mod = import_script(name)
-    assert math.isnan(mod.explained_variance(torch.tensor([0.5, 0.2]), torch.ones(2)).item())
+    kept = lambda n: (torch.ones(n),) if name == "ppo_atari_envpool" else ()  # noqa: E731 (Atari's mask: all rows)
+    assert math.isnan(mod.explained_variance(torch.tensor([0.5, 0.2]), torch.ones(2), *kept(2)).item())
     values, returns = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0])
     expected = 1 - (returns - values).var() / returns.var()
-    assert mod.explained_variance(values, returns).item() == pytest.approx(expected.item())
+    assert mod.explained_variance(values, returns, *kept(3)).item() == pytest.approx(expected.item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +161,7 @@ def test_the_target_stops_a_run_once_the_evaluation_reaches_it_too(in_tmp, monke
 
 def test_a_real_untrained_policy_does_not_confirm_the_target(in_tmp):
     """An untrained agent's greedy policy does not balance for 500 steps: scripted returns of 500 do not stop it."""
+    torch.manual_seed(0)  # about one untrained net in 40 balances (seed 24 does): this one does not
     summary, stopped_at = scripted_run(in_tmp, [[500.0] * 100, [500.0] * 100], eval_episodes=4)
     assert stopped_at is None and summary["status"] == "completed" and summary["eval_mean_return"] < 500
 
