@@ -46,10 +46,10 @@ class Seeds:
         return None if obs is None else torch.stack(self.observations)
 
     def report(self, tags: list, columns, steps: int, total_steps: int, record_video, rollout) -> None:
-        """Rank 0's outputs of an iteration: each seed's scalars (K seeds': every 10 s), progress, the first's video."""
+        """Rank 0's outputs of an iteration: each seed's scalars (written every 10 s), progress, the first's video."""
         p, a = self.progress, self.args
         self.rows.append((p.global_step, tags, columns))
-        if self.k == 1 or time.perf_counter() - self.flushed >= 10.0:
+        if time.perf_counter() - self.flushed >= 10.0:  # TensorBoard's own writer keeps events up to 120 s anyway
             self.flush()
         recent, label = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})", "seed 1: " if self.k > 1 else ""
         self.runs[0].outputs.show(steps, p.global_step, total_steps, p.sps(), recent, label)
