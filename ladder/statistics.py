@@ -26,10 +26,9 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
     for s in summaries:
         if s["eval_mean_return"] is not None:
             evals.setdefault(s["env_id"], []).append(s["eval_mean_return"])
-    reached = sum(s["status"] == "target return reached" for s in summaries)
     agg = dict(runs=len(summaries), seeds=sorted(s["seed"] for s in summaries), solved=len(steps))
     agg |= {"target_return": summaries[0]["args"]["target_return"]} if "args" in summaries[0] else {}  # the flag's
-    agg |= dict(target_reached=reached)
+    agg |= dict(target_reached=sum(s["status"] == "target return reached" for s in summaries))
     agg |= dict(solved_at_step_median=None, solved_at_step_iqr=None, evaluated=sum(map(len, evals.values())))
     agg |= dict(eval_iqm=None, eval_iqm_ci95=None)
     if len(steps):

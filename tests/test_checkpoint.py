@@ -141,7 +141,8 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
         summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
         assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
         folder = os.path.relpath(run_dir(tmp_path, name), tmp_path)  # said, not made silently
-        assert f"note: --eval-only: evaluating {model} into a new run folder, {folder}" in result.stderr
+        seed = "seed 1" if name == "from_checkpoint" else "a bare model keeps no seed: --seed 1's"
+        assert f"note: --eval-only: evaluating {model} ({seed}) into a new run folder, {folder}" in result.stderr
         assert summary["eval_returns"] == trained["eval_returns"]
         video = os.path.join(run_dir(tmp_path, name), "videos", "evaluation.mp4")
         assert imageio_ffmpeg.count_frames_and_secs(video)[0] == max(summary["eval_returns"])
@@ -352,14 +353,20 @@ print("returned")
 
 def test_eval_only_of_a_checkpoint_takes_its_seed(tmp_path):
     """--eval-only of seed 2's checkpoint, --seed left out: the new folder and the evaluation are seed 2's (the same
-    returns as the run's own final evaluation). Before, the folder was named __1__ and the episodes were seed 1's."""
+    returns as the run's own final evaluation). Before, the folder was named __1__ and the episodes were seed 1's.
+    A bare model (`--save-model`'s weights) keeps no seed: its folder is --seed's, and the note says so."""
     train = call_main("ppo_cartpole_gpu", "--seed", "2", "--total-timesteps", "4096", "--num-envs", "32",
-                      "--eval-episodes", "3", "--exp-name", "trained", "--no-progress-bar", cwd=tmp_path)  # fmt: skip
+                      "--eval-episodes", "3", "--exp-name", "trained", "--no-progress-bar", "--save-model",
+                      cwd=tmp_path)  # fmt: skip
     assert train.returncode == 0, train.stderr
     trained = read_json(os.path.join(run_dir(tmp_path, "trained"), "summary.json"))
     result = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", run_dir(tmp_path, "trained"),
                        "--eval-episodes", "3", "--exp-name", "evaluated", "--num-envs", "32", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "__evaluated__2__" in run_dir(tmp_path, "evaluated")
+    assert "__evaluated__2__" in run_dir(tmp_path, "evaluated") and "(seed 2) into a new run folder" in result.stderr
     evaluated = read_json(os.path.join(run_dir(tmp_path, "evaluated"), "summary.json"))
     assert evaluated["seed"] == 2 and evaluated["eval_returns"] == trained["eval_returns"]
+    bare = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", trained["model_path"], "--eval-episodes", "3",
+                     "--exp-name", "bare", "--num-envs", "32", cwd=tmp_path)  # fmt: skip
+    assert bare.returncode == 0, bare.stderr
+    assert "__bare__1__" in run_dir(tmp_path, "bare") and "(a bare model keeps no seed: --seed 1's)" in bare.stderr
