@@ -26,7 +26,7 @@ class Seeds:
         self.args, self.k, self.rank, self.world_size = args, args.num_seeds, rank, world_size
         self.dir, self.flags = seeds_flags(args, world_size)
         self.progress, self.runs, self.observations, self.stack = Progress(self.k), [], [], None
-        self.rows, self.flushed = [], time.perf_counter()  # the scalars not written yet
+        self.rows, self.flushed = [], -math.inf  # the scalars not written yet (the first iteration's: at once)
 
     def add(self, objects: dict, per_rank: set, obs, total_steps: int, note):
         """The next seed's run opened; the last's stacks the K seeds and their observations (`None` before)."""
