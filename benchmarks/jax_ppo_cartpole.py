@@ -180,5 +180,7 @@ if __name__ == "__main__":
     parser.add_argument("--total-timesteps", type=int, default=5_000_000)
     parser.add_argument("--target-return", type=float, default=500.0, help="stop at this 100-episode mean (inf: never)")
     parser.add_argument("--num-seeds", type=int, default=1, help="seeds --seed.. in one vmapped program")
+    parser.add_argument("--num-minibatches", type=int, default=4)
     a = parser.parse_args()
-    print(json.dumps(train(a.num_envs, a.num_steps, a.seed, a.total_timesteps, a.target_return, num_seeds=a.num_seeds)))
+    print(json.dumps(train(a.num_envs, a.num_steps, a.seed, a.total_timesteps, a.target_return,
+                           num_minibatches=a.num_minibatches, num_seeds=a.num_seeds)))  # fmt: skip

@@ -13,6 +13,7 @@ markdown table with the command and the machine.
   the compiled code still calls (matmuls).
 
     python benchmarks/kernels.py                                  # 128 and 4096 envs, this checkout
+    python benchmarks/kernels.py --num-envs 128 --no-compile --ops 12   # and where the GPU's kernels go, by phase
     git worktree add /tmp/ee87a1a ee87a1a && python benchmarks/kernels.py --root /tmp/ee87a1a   # an older commit
 """
 
@@ -51,6 +52,9 @@ class KernelArgs:
     """the checkout whose ppo_cartpole_gpu.py and ladder/ are counted (a `git worktree` of another commit)"""
     compile: bool = True
     """also count the kernels of the --compile iteration"""
+    ops: int = 0
+    """also list, for eager at the first env count, each phase's N most frequent GPU kernels (CPU-only ones left out)
+    by the op the code called"""
     one: str = ""
     """(internal) count one configuration, "num_envs,compile", in this process, and print its JSON"""
 
@@ -108,8 +112,20 @@ def count_one(root: str, num_envs: int, compile: bool) -> dict:
     names: dict[str, int] = {}
     for e in kernels:
         names[e.name] = names.get(e.name, 0) + 1
+    by_op: dict[str, dict[str, int]] = {}  # the kernels a GPU launches, by phase, as "the code's op -> the kernel"
+    for e in kernels:
+        if not cpu_only_op(e):
+            key = f"{top_level(e).name[6:]} -> {e.name[6:]}"
+            by_op.setdefault(phase(e) or "(none)", {})[key] = by_op.get(phase(e) or "(none)", {}).get(key, 0) + 1
     return dict(kernels=len(kernels), cpu_only=len(cpu_only), top=len(top), generated=len(generated), names=names,
-                by_phase=by_phase, minibatches=args.update_epochs * args.num_minibatches)  # fmt: skip
+                by_phase=by_phase, by_op=by_op, minibatches=args.update_epochs * args.num_minibatches)  # fmt: skip
+
+
+def top_level(event):
+    """The aten op the Python code called that `event` runs under (itself when it is one)."""
+    while event.cpu_parent is not None and event.cpu_parent.name.startswith("aten::"):
+        event = event.cpu_parent
+    return event
 
 
 def labelled(name: str, fn):
@@ -169,6 +185,11 @@ def main() -> None:
         phases = f"{p['noise']} / {p['collect_rollout']} / {p['make_batch']} / {p['update']} ({p['update'] / m:.0f})"
         print(f"| {n} | {mode} | {c['kernels']:,} | {c['cpu_only']:,} | {phases} | {generated} | {c['top']:,} "
               f"| {common} |")  # fmt: skip
+    n, _, c = rows[0]
+    for name, ops in c["by_op"].items() if bench.ops else ():
+        listed = sorted(ops.items(), key=lambda kv: -kv[1])[: bench.ops]
+        shown = ", ".join(f"{op} {count}" for op, count in listed)
+        print(f"\n- {n} envs, eager, {name}: {sum(ops.values()):,} GPU kernels; {shown}")
 
 
 if __name__ == "__main__":

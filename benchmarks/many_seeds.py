@@ -15,6 +15,7 @@ K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tab
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -72,19 +73,30 @@ FLAT = ["--num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--tota
 
 def flat(ks: list[int], py: str, script: str) -> None:
     """`--num-seeds K` + FLAT for each K, one fresh process each: the training seconds (summary.json's wall_seconds),
-    launch to exit, and the two against the first K's (training ratio: the host's work per iteration against K)."""
+    launch to exit, and the two against the first K's (training ratio: the host's work per iteration against K). Beside
+    it the JAX peer vmapped over K at FLAT's sizes, on one thread too: its training seconds (iterations 2-40, after
+    compiling) against the first K's, the growth with K of a program with no host work per seed at all."""
     rows = []
+    peer = [py, os.path.join(ROOT, "benchmarks", "jax_ppo_cartpole.py"), "--num-envs", "4", "--num-steps", "8",
+            "--num-minibatches", "2", "--total-timesteps", "1280", "--target-return", "inf"]  # fmt: skip
+    one_thread = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     for k in ks:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
             subprocess.run([py, script, "--num-seeds", str(k), *FLAT], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
             total = time.perf_counter() - start
             seeds = [s for s in map(read_summary, glob.glob(os.path.join(tmp, "runs", "*"))) if "run_dirs" not in s]
-            rows.append((k, seeds[0]["wall_seconds"], total))
-    print(f"\n`ppo_cartpole_gpu.py --num-seeds K {' '.join(FLAT)}`, one process each\n")
-    print("| K | training s | launch to exit s | outside training s | training vs first K |\n|---|---|---|---|---|")
-    for k, train, total in rows:
-        print(f"| {k} | {train:.2f} | {total:.1f} | {total - train:.1f} | {train / rows[0][1]:.2f}x |")
+        out = subprocess.run(peer + ["--num-seeds", str(k)], env=one_thread, capture_output=True, text=True, check=True)
+        rows.append(
+            (k, seeds[0]["wall_seconds"], total, json.loads(out.stdout.strip().splitlines()[-1])["wall_seconds"])
+        )
+    print(f"\n`ppo_cartpole_gpu.py --num-seeds K {' '.join(FLAT)}`, one process each; the JAX peer vmapped over K")
+    print("at the same sizes, one XLA thread (training: iterations 2-40)\n")
+    print("| K | training s | launch to exit s | outside training s | training vs first K | JAX peer training s | "
+          "JAX vs first K |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for k, train, total, jax_s in rows:
+        print(f"| {k} | {train:.2f} | {total:.1f} | {total - train:.1f} | {train / rows[0][1]:.2f}x | {jax_s:.3f} | "
+              f"{jax_s / rows[0][3]:.2f}x |")  # fmt: skip
 
 
 def timed(commands: list[list[str]]) -> tuple[float, float]:
