@@ -130,7 +130,7 @@ class CudaGraph:
             self.reason = f"recording it failed ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]})"
             return
         seconds = time.perf_counter() - start
-        self.run.clock, self.run.setup_seconds = self.run.clock + seconds, self.run.setup_seconds + seconds
+        self.run.clock, self.run.setup["recorded"] = self.run.clock + seconds, seconds
         self.run.note(f"--cuda-graph: recorded {self.fn.__name__} as one CUDA graph in {seconds:.2f} s, not counted")
 
     def record(self, body):

@@ -26,7 +26,7 @@ class Run(contextlib.AbstractContextManager):
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.all = Seeds(args, self.rank, self.world_size)  # the run's seeds: one, or K
         self.progress, self.runs, self.dir, self.looping, self.stopping = self.all.progress, self.all.runs, None, 0, 0
-        self.first_iteration, self.setup_seconds, self.clock = 1, 0.0, time.perf_counter()
+        self.first_iteration, self.clock, self.setup = 1, time.perf_counter(), {}  # setup: summary.json's setup_parts
         self.signals = Signals(self.note, lambda: args.compile and self.progress.iteration < self.first_iteration)
 
     def seeds(self):
@@ -50,7 +50,7 @@ class Run(contextlib.AbstractContextManager):
         self.first_iteration = self.progress.iteration + 1
         if self.args.compile and total_steps > self.progress.global_step:  # said once its handlers are in place
             self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
-        self.setup_seconds, self.clock = time.perf_counter() - self.clock, time.perf_counter()
+        self.setup["built"], self.clock = time.perf_counter() - self.clock, time.perf_counter()
         return obs
 
     def each(self, fn, *args):
@@ -92,7 +92,7 @@ class Run(contextlib.AbstractContextManager):
         tags, columns = p.record(numbers, list(stats), None if compiling else now - self.clock, self.threshold)
         if compiling:
             self.note(f"--compile: iteration {p.iteration} took {now - self.clock:.1f} s (compilation), not counted")
-            self.setup_seconds += now - self.clock
+            self.setup["compiled"] = now - self.clock
         self.clock, mean = now, p.mean()
         for seed in np.nonzero((mean >= a.target_return) & ~p.target_reached)[0] if a.target_return is not None else ():
             ok, seconds = self.all.confirmed(self.runs[seed], mean[seed], self.evaluate, self.note, self.device)
@@ -132,7 +132,7 @@ class Run(contextlib.AbstractContextManager):
         """Each seed's end, then their aggregate; a signal now ends only the final evaluation."""
         try:
             stopped = bool(self.signals.received)
-            self.all.finish(exc_type, exc, stopped, self.setup_seconds, self.evaluate, self.note)
+            self.all.finish(exc_type, exc, stopped, self.setup, self.evaluate, self.note)
         finally:
             self.signals.restore()
 

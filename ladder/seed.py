@@ -119,7 +119,7 @@ class Seed:
         if greedy(record_video, self.objects["agent"], self.objects["envs"], rollout, self.args, path):
             self.outputs.video(path, "videos/training")
 
-    def finish(self, status: str, whole: bool, stopped: bool, setup_seconds: float, evaluate, note) -> None:
+    def finish(self, status: str, whole: bool, stopped: bool, setup: dict, evaluate, note) -> None:
         """The final checkpoint (when the state is `whole`), then on rank 0 the model, the final evaluation (not after
         a signal), summary.json and the result line (none after a refusal: main's `error:` line says it)."""
         if whole and not self.args.eval_only and self.checkpointed != self.progress.iteration:
@@ -128,7 +128,7 @@ class Seed:
             dist.barrier()
         if self.outputs is None:  # not rank 0, or not opened (a flag refused late, a failed resume leave no trace)
             return
-        s = summary(self, status, setup_seconds)
+        s = summary(self, status, setup)
         if status != "non-finite loss" and self.args.save_model:  # NaN weights are not worth keeping
             s["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
             with self.own():
@@ -164,14 +164,15 @@ def greedy(play, agent, *args):
         agent.train()
 
 
-def summary(seed: Seed, status: str, setup_seconds: float) -> dict:
+def summary(seed: Seed, status: str, setup: dict) -> dict:
     """summary.json of `seed`'s run, before its evaluation and model (solved: the env's "solved" level reached)."""
     a, p, i = seed.args, seed.progress, seed.index
     c, mean = p.counters(i), p.mean(full=False)[i]
     s = dict(env_id=a.env_id, exp_name=a.exp_name, seed=a.seed, device=a.device, world_size=seed.world_size)
     s |= dict(status=status, total_env_steps=p.global_step, iterations=p.iteration, wall_seconds=round(p.seconds, 3))
     sps = round(p.timed_steps / p.seconds, 1) if p.seconds else None
-    s |= dict(setup_seconds=round(setup_seconds, 3), mean_sps=sps)
+    parts = {part: round(seconds, 3) for part, seconds in setup.items()}  # built; compiled, recorded if they were
+    s |= dict(setup_seconds=round(sum(setup.values()), 3), setup_parts=parts, mean_sps=sps)
     s |= dict(episodes=c["episodes"], mean_return_last_100=None if math.isnan(mean) else float(mean))
     s |= dict(solved_threshold=getattr(seed.objects["envs"], "reward_threshold", None), solved_at_step=c["solved_step"])
     s |= dict(solved_at_seconds=c["solved_seconds"] and round(c["solved_seconds"], 3))

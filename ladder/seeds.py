@@ -86,7 +86,7 @@ class Seeds:
             note(f"the evaluation's mean return is {np.mean(seed.eval_returns):.1f}: training on")
         return bool(ok), time.perf_counter() - start
 
-    def finish(self, exc_type, exc, stopped: bool, setup_seconds: float, evaluate, note) -> None:
+    def finish(self, exc_type, exc, stopped: bool, setup: dict, evaluate, note) -> None:
         """Each seed's end (its checkpoint, model, evaluation, summary.json, result line), then their aggregate."""
         at_end = isinstance(exc, KeyboardInterrupt) and len(exc.args) == 1  # at an iteration's end, by a signal
         causes = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss", UsageError: "refused"}
@@ -97,7 +97,7 @@ class Seeds:
         for seed, run in enumerate(self.runs):
             reached = status == "completed" and self.progress.target_reached[seed]
             status_k = "target return reached" if reached else status
-            run.finish(status_k, whole, stopped, setup_seconds, evaluate, note if seed == 0 else quiet)
+            run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else quiet)
         if self.k > 1 and self.rank == 0 and len(self.runs) == self.k:
             write_aggregate(self.dir, [run.dir for run in self.runs], self.args, final=True)
         if at_end and self.runs and self.runs[0].checkpointed >= 0:

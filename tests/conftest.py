@@ -31,8 +31,8 @@ ALL_SCRIPTS = SCRIPTS + ["ppo_atari_envpool", "ppo_mujoco_brax"]
 """All five: they share the `Run` class, the CLI skeleton and the summary.json schema."""
 SUMMARY_KEYS = {
     "env_id", "exp_name", "seed", "device", "world_size", "status", "total_env_steps", "iterations", "wall_seconds",
-    "setup_seconds", "mean_sps", "episodes", "mean_return_last_100", "solved_threshold", "solved_at_step",
-    "solved_at_seconds", "eval_returns", "eval_mean_return", "model_path", "args",
+    "setup_seconds", "setup_parts", "mean_sps", "episodes", "mean_return_last_100", "solved_threshold",
+    "solved_at_step", "solved_at_seconds", "eval_returns", "eval_mean_return", "model_path", "args",
 }  # fmt: skip
 """The keys of every script's summary.json."""
 

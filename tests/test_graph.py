@@ -75,7 +75,8 @@ def test_a_replayed_run_stopped_and_resumed_equals_one_run(name, in_tmp, monkeyp
 
 
 def test_compiled_phases_replayed_equal_the_compiled_loop(in_tmp, monkeypatch):
-    """With --compile the compiled rollout, batch and one-graph gradient step run inside the recording."""
+    """With --compile the compiled rollout, batch and one-graph gradient step run inside the recording. summary.json
+    breaks the set-up down: built (to `run.start`), compiled (iteration 1), recorded (the graph)."""
     module = import_script("ppo_cartpole_gpu")
     args = small_args(module, cuda_graph=True, compile=True)
     torch._dynamo.reset()
@@ -83,6 +84,10 @@ def test_compiled_phases_replayed_equal_the_compiled_loop(in_tmp, monkeypatch):
     replayed_on_the_cpu(module, monkeypatch)
     module.train(replace(args, exp_name="replayed"))
     assert_same_run(in_tmp, "plain", "replayed")
+    for name, parts in (("plain", {"built", "compiled"}), ("replayed", {"built", "compiled", "recorded"})):
+        summary = read_json(os.path.join(run_dir(in_tmp, name), "summary.json"))
+        assert set(summary["setup_parts"]) == parts and summary["setup_parts"]["compiled"] > 0, summary
+        assert summary["setup_seconds"] == pytest.approx(sum(summary["setup_parts"].values()), abs=2e-3)
 
 
 def test_brax_replays_the_batch_and_the_update(in_tmp, monkeypatch):
