@@ -115,8 +115,8 @@ def count_one(root: str, num_envs: int, compile: bool) -> dict:
     by_op: dict[str, dict[str, int]] = {}  # the kernels a GPU launches, by phase, as "the code's op -> the kernel"
     for e in kernels:
         if not cpu_only_op(e):
-            key = f"{top_level(e).name[6:]} -> {e.name[6:]}"
-            by_op.setdefault(phase(e) or "(none)", {})[key] = by_op.get(phase(e) or "(none)", {}).get(key, 0) + 1
+            ops, key = by_op.setdefault(phase(e) or "(none)", {}), f"{top_level(e).name[6:]} -> {e.name[6:]}"
+            ops[key] = ops.get(key, 0) + 1
     return dict(kernels=len(kernels), cpu_only=len(cpu_only), top=len(top), generated=len(generated), names=names,
                 by_phase=by_phase, by_op=by_op, minibatches=args.update_epochs * args.num_minibatches)  # fmt: skip
 
