@@ -353,6 +353,8 @@ def train(args: Args, envs=None) -> Agent:
     """Train REINFORCE on `envs` (default: the `--env-id` env) and return the agent. Any env with the CartPole
     interface works, e.g. the tests' probe envs. `Run` writes the outputs, also when an exception ends the run."""
     device, given_envs = torch.device(args.device), envs
+    if args.compile and args.num_seeds > 1:  # the stacked update, compiled whole, would compile again at each length
+        raise UsageError("--compile does not go with --num-seeds here: the update's length changes every iteration")
     with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
         for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
             torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions

@@ -36,8 +36,6 @@ def check_run_flags(args) -> torch.device:
     for flag, module, pin in (("capture_video", "imageio", "imageio==2.38.1"), ("track", "wandb", "wandb==0.31.0")):
         if getattr(args, flag) and importlib.util.find_spec(module) is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs {module}: pip install {pin}")
-    if args.compile and args.num_seeds > 1:  # docs/running.md#many-seeds says why
-        raise UsageError("--compile does not yet go with --num-seeds: dynamo cannot trace the stacked seeds' state")
     if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
         raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
     if args.resume:  # one rule: the checkpoint's algorithm flags, all but the run's (`RunFlags`), are kept

@@ -36,9 +36,8 @@ class HostWatch(torch.overrides.TorchFunctionMode):
 
 
 class CudaGraph:
-    """`fn` (tensors in and out) recorded as a CUDA graph. Call 1 runs it, watching for host reads; call 2 records it;
-    later calls replay it on the recorded memory (inputs and `run`'s objects' state copied in, outputs cloned), Python
-    values as recorded. What cannot be recorded runs as written, with a note."""
+    """`fn` (tensors in and out) as a CUDA graph: call 1 runs it, watching for host reads, call 2 records it, later ones
+    replay it (inputs and state copied in, outputs cloned). What cannot be recorded runs as written, with a note."""
 
     devices = ("cuda",)  # where an iteration is given to a CudaGraph (tests add "cpu": `record` then replays `body`)
 

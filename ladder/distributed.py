@@ -40,9 +40,8 @@ def broadcast_from_rank_0(shared: dict) -> None:
 
 
 def ranks_apart(shared: dict, noted: set, note) -> dict[str, torch.Tensor]:
-    """At a checkpoint, the `alike` state that differs between the ranks, noted once per module or tensor (`noted`).
-    Of parameters rank 0's is saved; the rest (a statistic of the rank's own observations, `agent.obs_rms.mean`) is
-    returned by name, for this rank's checkpoint to keep."""
+    """At a checkpoint, the `alike` state that differs between the ranks, noted once per name (`noted`): of parameters
+    rank 0's is saved; the rest (a statistic of the rank's own observations) is returned for this rank's to keep."""
     tensors, parameters = {}, set()
     for name, value in shared.items():
         if torch.is_tensor(value):
@@ -60,11 +59,8 @@ def ranks_apart(shared: dict, noted: set, note) -> dict[str, torch.Tensor]:
             fix = f"average its gradients: average_gradients({owner}) between backward() and step(), docs/modifying.md"
             note(f"{owner} differs between the torchrun ranks ({fix}); rank 0's is saved")
         else:
-            verb = "differs" if len(own) == 1 else "differ"
-            note(
-                f"{', '.join(own)} {verb} between the torchrun ranks: each rank's is saved and resumed as its own "
-                "(docs/modifying.md#your-own-state)"
-            )
+            verb, kept = "differs" if len(own) == 1 else "differ", "each rank's is saved and resumed as its own"
+            note(f"{', '.join(own)} {verb} between the torchrun ranks: {kept} (docs/modifying.md#your-own-state)")
     return {name: tensors[name].cpu() for name in apart if name not in parameters}
 
 

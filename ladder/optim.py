@@ -5,10 +5,10 @@ import torch.nn as nn
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam (Kingma & Ba 2015; AdamW's decoupled decay with `weight_decay`) on `module`'s trainable parameters, or on
-    `params` (some of them, or param groups). The parameters become views of one flat vector, the moments are flat
-    too: `gradient` gives one vector, `step(grad)` updates in ~10 ops. Each group's rate is a device tensor, to change
-    in place (`group["lr"].fill_(rate)`): a number put in its place is baked into a compiled graph."""
+    """Adam (Kingma & Ba 2015; AdamW's decoupled `weight_decay`) on `module`'s trainable parameters or `params` (some,
+    or param groups), views of one flat vector (the moments flat too): `gradient` gives one vector, `step(grad)`
+    updates in ~10 ops. A group's rate is a device tensor, changed in place (`group["lr"].fill_(rate)`), not baked into
+    a compiled graph."""
 
     def __init__(self, module: nn.Module, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         params = [p for p in module.parameters() if p.requires_grad] if params is None else params
@@ -23,7 +23,7 @@ class Adam(torch.optim.Optimizer):
         tables = {id(m._parameters): m._parameters for _, m in module.named_modules(remove_duplicate=False)}.values()
         self.places = [(t, key, index[id(p)]) for t in tables for key, p in t.items() if id(p) in index]
         with torch.no_grad():
-            self.flat = torch.cat([p.reshape(-1) for p in held])
+            self.held = {"flat": torch.cat([p.reshape(-1) for p in held])}
         self.attach(self.flat)
         for p in held:  # a backward() through them would fill .grad, which no step reads: it fails instead
             p.requires_grad_(False)
@@ -33,6 +33,10 @@ class Adam(torch.optim.Optimizer):
         self.state["flat"] = dict(step=torch.zeros((), device=zeros.device), exp_avg=zeros, exp_avg_sq=zeros.clone())
         self._opt_called = True  # `step` takes steps: an lr scheduler's warning that it never does is wrong
 
+    @property
+    def flat(self) -> torch.Tensor:  # in a dict: dynamo sees what a compiled --num-seeds call puts there
+        return self.held["flat"]
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each held parameter as a view of `flat` (of this layout: a gradient too; [K, ...]: K stacked seeds')."""
         parts = flat.split([shape.numel() for shape in self.shapes], dim=-1)
@@ -40,7 +44,7 @@ class Adam(torch.optim.Optimizer):
 
     def attach(self, flat: torch.Tensor) -> None:
         """The flat vector `flat` (the stacked seeds': [K, ...]), the module's parameters views of it."""
-        self.flat, views = flat, self.views(flat)
+        self.held["flat"], views = flat, self.views(flat)
         for table, key, i in self.places:
             table[key].data = views[i]
 

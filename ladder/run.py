@@ -55,15 +55,15 @@ class Run(contextlib.AbstractContextManager):
 
     def each(self, fn, *args):
         """`fn(*args)`, a seed's own (its noise, its rollout buffer); --num-seeds K: vmapped over the K, stacked."""
-        return fn(*args) if self.k == 1 else self.stack.each(fn, *args)
+        return fn(*args) if self.k == 1 else self.stack.call(fn, *args)
 
     def one_by_one(self, fn, *args):
         """`fn(*args)`; --num-seeds K: for each seed on its own objects in turn (Brax's JAX envs), stacked."""
         return fn(*args) if self.k == 1 else self.stack.one_by_one(fn, *args)
 
     def stacked(self, fn):
-        """`fn`, an iteration's device work, as one call for the K seeds (vmapped; on a GPU: a CUDA graph)."""
-        call = lambda *args: self.stack.call(fn, *args)
+        """`fn`, an iteration's device work, as one call for the K seeds (vmapped, --compile'd; GPU: a CUDA graph)."""
+        call = lambda *args: self.stack.call(fn, *args, compile=self.args.compile)
         call.__name__ = f"{fn.__name__} of {self.k} seeds"
         return CudaGraph(call, self) if self.device.type in CudaGraph.devices else call
 

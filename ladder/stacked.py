@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ladder.compile import compiled
 from ladder.flags import UsageError, your_line
 from ladder.optim import Adam
 
@@ -18,15 +19,13 @@ class Stacked:
     def __init__(self, seeds: list[dict]):
         self.seeds, self.lead, self.k = seeds, seeds[-1], len(seeds)
         if [obj for obj in self.lead.values() if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, Adam)]:
-            raise UsageError(
-                "--num-seeds: the stacked seeds' optimizer must be ladder.optim.Adam, whose step vmap runs"
-            )
+            raise UsageError("--num-seeds: the seeds' optimizer must be ladder.optim.Adam, whose step vmap runs")
         self.adams = [obj for obj in self.lead.values() if isinstance(obj, Adam)]
         self.slots, theirs = slots(self.lead), [slots(objects) for objects in seeds]
         if any([key for _, key in mine] != [key for _, key in self.slots] for mine in theirs):
             raise UsageError("--num-seeds: the seeds' agents, envs or optimizers differ in their tensors")
         with torch.no_grad():
-            self.values = [torch.stack([table[key] for table, key in column]) for column in zip(*theirs)]
+            self.values = [torch.stack([get(place) for place in column]) for column in zip(*theirs)]
         self.rows = [[value[k] for value in self.values] for k in range(self.k)]
         for objects, mine, rows in zip(seeds[:-1], theirs, self.rows):
             hold(mine, rows, [obj for obj in objects.values() if isinstance(obj, Adam)])
@@ -39,8 +38,7 @@ class Stacked:
 
     @contextlib.contextmanager
     def as_last_seed(self):
-        """The lead's objects holding the last seed's rows alone, for what reads one seed's objects (its checkpoint,
-        its evaluation, `one_by_one`)."""
+        """The lead's objects holding the last seed's rows alone (for its checkpoint, evaluation, `one_by_one`)."""
         if self.as_seed:  # (an evaluation within the final checkpoint's: already so)
             yield
             return
@@ -59,8 +57,7 @@ class Stacked:
         self.as_seed = True
 
     def share_lead(self) -> None:
-        """Each seed's objects as the lead's, for its checkpoint: the rates, and the objects with no tensor (a
-        scheduler: `train()` steps the lead's, for all)."""
+        """Each seed's objects as the lead's, for its checkpoint: the rates, objects with no tensor (a scheduler)."""
         self.sync()
         for objects in self.seeds[:-1]:
             for name, lead in self.lead.items():
@@ -84,9 +81,10 @@ class Stacked:
                 keep(self.theirs[k], self.rows[k])
         return stack(outs)
 
-    def call(self, fn, *args):
-        """`fn(*args)` for all K seeds in one vmapped call (made once for each layout of the arguments); a tensor in
-        `args` must be stacked [K, ...]. What it left in the state is copied into the stack."""
+    def call(self, fn, *args, compile: bool = False):
+        """`fn(*args)` for all K seeds in one vmapped call made once per layout of `args` (tensors stacked [K, ...];
+        `compile`: one graph, as torch.compile cannot run inside vmap); the state it left copied into the stack. The
+        results are contiguous, each in memory of its own (a compiled call given another layout compiles again)."""
         self.sync()
         leaves, spec = pytree.tree_flatten(args)
         if bad := [x for x in leaves if torch.is_tensor(x) and (x.dim() == 0 or x.shape[0] != self.k)][:1]:
@@ -97,67 +95,72 @@ class Stacked:
             )
         others = [repr(x) if isinstance(x, (int, float)) else id(x) for x in leaves if not torch.is_tensor(x)]
         if (layout := (id(fn), str(spec), *others)) not in self.calls:
+            kept = [(torch.is_tensor(x), None if torch.is_tensor(x) else x) for x in leaves]  # (compiled: guarded)
 
             def on_one_seed(values, tensors):
-                originals = [table[key] for table, key in self.slots]
-                for (table, key), value in zip(self.slots, values):  # (a parameter too: its place, for the call)
-                    table[key] = value
+                originals = [get(place) for place in self.slots]
+                for place, value in zip(self.slots, values):  # (a parameter too: its place, for the call)
+                    put(place, value)
                 swapped = [adam.swap(adam.flat) for adam in self.adams]  # its parameters: views of the seed's vector
                 try:
                     tensors = iter(tensors)
-                    out = fn(*pytree.tree_unflatten([next(tensors) if torch.is_tensor(x) else x for x in leaves], spec))
-                    return out, [table[key] for table, key in self.slots]
+                    out = fn(*pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec))
+                    return out, [get(place) for place in self.slots]
                 finally:
                     for adam, parameters in zip(self.adams, swapped):
                         adam.swap(parameters)
-                    for (table, key), value in zip(self.slots, originals):
-                        table[key] = value
+                    for place, value in zip(self.slots, originals):
+                        put(place, value)
 
-            self.calls[layout] = torch.func.vmap(on_one_seed, randomness="different")
+            vmapped = torch.func.vmap(on_one_seed, randomness="different")
+            self.calls[layout] = compiled(vmapped) if compile else vmapped
         out, state = refusing(self.calls[layout], self.values, [x for x in leaves if torch.is_tensor(x)])
         with torch.no_grad():
             for value, changed in zip(self.values, state):
                 if changed is not value:
                     value.copy_(changed)
-        return out
-
-    def each(self, fn, *args):
-        """`fn(*args)` for each seed, vmapped (its own random numbers, all K drawn in one call); the results stacked
-        [K, ...], each in memory of its own."""
-        out = self.call(fn, *args)
-        return pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) and 0 in x.stride() else x, out)
+        return pytree.tree_map(lambda x: x.contiguous() if torch.is_tensor(x) else x, out)
 
 
 def slots(objects: dict) -> list[tuple]:
     """Where the tensors of `objects` live, (table, key): modules' parameters (an Adam's flat ones instead) and
-    buffers, Adams' moments, other objects' tensor attributes."""
+    buffers, Adams' moments, other objects' attributes (the object their table: dynamo sees only what is set on it)."""
     objects, adams = list(objects.values()), [obj for obj in objects.values() if isinstance(obj, Adam)]
     held = {id(p) for adam in adams for group in adam.param_groups for p in group["params"]}
     modules = list(dict.fromkeys(m for obj in objects if isinstance(obj, nn.Module) for m in obj.modules()))
     tables = [m._parameters for m in modules] + [m._buffers for m in modules]
-    tables += [t for adam in adams for t in (vars(adam), adam.state["flat"])]
-    tables += [vars(obj) for obj in objects if not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
-    return [(t, key) for t in tables for key, v in t.items() if torch.is_tensor(v) and id(v) not in held]
+    tables += [t for adam in adams for t in (adam.held, adam.state["flat"])]
+    tables += [obj for obj in objects if not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
+    items = lambda t: t.items() if isinstance(t, dict) else vars(t).items()
+    return [(t, key) for t in tables for key, v in items(t) if torch.is_tensor(v) and id(v) not in held]
+
+
+def get(place):
+    return place[0][place[1]] if isinstance(place[0], dict) else getattr(*place)
+
+
+def put(place, value) -> None:
+    place[0].__setitem__(place[1], value) if isinstance(place[0], dict) else setattr(*place, value)
 
 
 def hold(places: list, values: list, adams: list) -> None:
     """`values` at `places` (a parameter stays that object: optimizers know it), Adams' parameters views of theirs."""
-    for (table, key), value in zip(places, values):
-        if isinstance(table[key], nn.Parameter):
-            table[key].data = value
+    for place, value in zip(places, values):
+        if isinstance(get(place), nn.Parameter):
+            get(place).data = value
         else:
-            table[key] = value
+            put(place, value)
     for adam in adams:
         adam.attach(adam.flat)
 
 
 def keep(places: list, values: list) -> None:
     """What the code put at `places` in place of `values` (an env's state replaced out of place), copied into them."""
-    for (table, key), value in zip(places, values):
-        if table[key] is not value:
+    for place, value in zip(places, values):
+        if get(place) is not value:
             with torch.no_grad():
-                value.copy_(table[key])
-            hold([(table, key)], [value], [])
+                value.copy_(get(place))
+            hold([place], [value], [])
 
 
 def stack(outs: list):

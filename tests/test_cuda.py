@@ -15,6 +15,7 @@ from conftest import (
     ROOT,
     SCRIPTS,
     assert_close,
+    assert_same_agents,
     assert_same_scalars,
     import_script,
     read_json,
@@ -253,3 +254,16 @@ def test_stacked_seeds_recorded_equal_stacked_seeds_unrecorded_on_cuda(name, in_
             assert torch.equal(value, graphed[k].state_dict()[key]), f"seed {k + 1}: {key}"
         assert scalars(folders(in_tmp, "graph")[1][k]) == scalars(folders(in_tmp, "loop")[1][k])
     assert not torch.equal(loop[0].actor[0].weight, loop[1].actor[0].weight)
+
+
+def test_stacked_seeds_compiled_and_recorded_equal_eager_ones_on_cuda(in_tmp, capsys):
+    """--num-seeds 2 --compile on cuda: the stacked iteration compiled as one graph, then recorded as a CUDA graph,
+    trains each seed as the eager stacked call does, within float tolerance (built with no GPU lent: run here first)."""
+    P = import_script("ppo_cartpole_gpu")
+    tiny = dict(num_envs=8, num_steps=4, num_minibatches=1, update_epochs=2, total_timesteps=8 * 4 * 8)
+    args = small_args(P, device="cuda", num_seeds=2, eval_episodes=0, **tiny)
+    eager = train_seeds_of(P, replace(args, cuda_graph=False, exp_name="eager"))
+    compiled = train_seeds_of(P, replace(args, compile=True, exp_name="compiled"))
+    assert any("--cuda-graph: recorded" in line for line in capsys.readouterr().err.splitlines())
+    for k in range(2):
+        assert_same_agents(compiled[k], eager[k], "compiled", atol=2e-4, rtol=1e-3)  # seed k + 1

@@ -14,6 +14,7 @@ from conftest import (
     ROOT,
     SCRIPTS,
     assert_one_error_line,
+    assert_same_agents,
     call_main,
     fake_wandb,
     import_script,
@@ -27,6 +28,7 @@ from conftest import (
 )
 from ladder.optim import Adam
 from ladder.stacked import Stacked
+from test_compile import recompilations
 
 
 def folders(tmp, exp_name: str) -> tuple[str, list[str]]:
@@ -122,6 +124,24 @@ def test_two_seeds_stopped_and_resumed_equal_one_run(script, in_tmp, monkeypatch
         assert stopped[0]["iterations"] == stopped[1]["iterations"]
 
 
+def test_compiled_seeds_train_as_eager_ones_in_one_graph_and_resume_exactly(in_tmp, monkeypatch):
+    """--compile with --num-seeds 2: the stacked iteration compiled whole (torch.compile cannot run inside vmap; the
+    script's compiled phases join its graph) trains each seed as the eager stacked call does within float tolerance,
+    in one graph compiled once (before: the observations' layout and the first call's tensors, guarded, compiled it
+    again at iteration 2), and stopped by SIGTERM and resumed it ends as straight through, bit for bit."""
+    P = import_script("ppo_cartpole_gpu")
+    tiny = dict(num_envs=8, num_steps=4, num_minibatches=1, update_epochs=2, total_timesteps=8 * 4 * 8)
+    args = small_args(P, num_seeds=2, eval_episodes=0, **tiny)
+    eager = train_seeds(P, replace(args, exp_name="eager"))
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled, _, _ = stacked_stopped_and_resumed(P, replace(args, compile=True), in_tmp, monkeypatch)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert graphs == 3, recompilations()  # whole, cut and resumed: once each
+    for k in range(2):
+        assert_same_agents(compiled[k], eager[k], "compiled", atol=2e-4, rtol=1e-3)  # seed k + 1
+
+
 def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_path):
     flags = ["--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "100000000", "--target-return", "None",
              "--checkpoint-interval", "0", "--no-progress-bar"]  # fmt: skip
@@ -179,13 +199,13 @@ def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp
         train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a Tensor in some "
-                              "data-dependent control flow"),  # PPO's early stop: a branch per seed
-    (["--compile"], "--compile does not yet go with --num-seeds"),  # docs/running.md#many-seeds
+@pytest.mark.parametrize("script, flags, message", [
+    ("ppo_cartpole_gpu", ["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a "
+                                                  "Tensor in some data-dependent control flow"),  # a branch per seed
+    ("reinforce", ["--compile"], "--compile does not go with --num-seeds here"),  # one graph per update length
 ])  # fmt: skip
-def test_what_cannot_be_stacked_is_refused_in_one_line(flags, message, in_tmp):
-    result = call_main("ppo_cartpole_gpu", "--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "2048",
+def test_what_cannot_be_stacked_is_refused_in_one_line(script, flags, message, in_tmp):
+    result = call_main(script, "--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "2048",
                        "--no-progress-bar", *flags, cwd=in_tmp)  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -92,7 +92,9 @@ def test_an_edit_to_the_gradient_step_runs_in_every_mode(name, in_tmp, monkeypat
     monkeypatch.setattr(module.Run, "start", recording)
     args = small_args(module, eval_episodes=0)
     modes = {"eager": {}, "two stacked seeds": dict(num_seeds=2)}
-    modes |= {"compiled": dict(compile=True)} if origin(name) == "ppo_cartpole_gpu" else {}  # (the others: same step)
+    tiny = dict(num_steps=4, num_minibatches=1, update_epochs=1)  # (one graph with the rollout: a small one)
+    compiled = {"compiled": dict(compile=True), "compiled stacked seeds": dict(compile=True, num_seeds=2, **tiny)}
+    modes |= compiled if origin(name) == "ppo_cartpole_gpu" else {}  # (the others: the same step)
     for mode, flags in modes.items():
         torch._dynamo.reset()
         module.train(replace(args, exp_name=mode.replace(" ", "_"), **flags))
@@ -986,7 +988,7 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
 
 
 @pytest.mark.parametrize("change, message", [
-    ("sgd", "--num-seeds: the stacked seeds' optimizer must be ladder.optim.Adam, whose step vmap runs"),
+    ("sgd", "--num-seeds: the seeds' optimizer must be ladder.optim.Adam, whose step vmap runs"),
     ("backward", "--num-seeds: backward() called inside a functorch transform"),
     ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
     ("metric", "stats['charts/weight_sum'] has shape (); run.log takes one number per seed under --num-seeds 2"),
