@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_checklist.sh graph         # --cuda-graph against the loop and the JAX peer (PPO: 128 to 65,536
 #                                                  # envs, eager and compiled; VPG and REINFORCE at 4,096)
 #   bash benchmarks/gpu_checklist.sh seeds         # --num-seeds on cuda: the stacked seeds recorded (tests), then
-#                                                  # K = 1 and 256 at 128 envs x 100k steps (with --cuda-graph), and
+#                                                  # K = 1 and 256 at 128 envs x 100k steps (with --cuda-graph; 256
+#                                                  # also with --compile), and
 #                                                  # the JAX peer vmapped over 256 seeds
 set -u
 LOGS=${LOGS:-gpu_logs}
@@ -63,6 +64,8 @@ seeds)
     timed "seeds_$k" $PY ppo_cartpole_gpu.py --num-seeds $k --cuda-graph --total-timesteps 100000 \
       --target-return None --eval-episodes 0 --no-progress-bar --exp-name "seeds$k"
   done
+  timed seeds_256_compile $PY ppo_cartpole_gpu.py --num-seeds 256 --compile --cuda-graph --total-timesteps 100000 \
+    --target-return None --eval-episodes 0 --no-progress-bar --exp-name seeds256c  # compiling apart: setup_parts
   timed seeds_jax_256 $PY benchmarks/jax_ppo_cartpole.py --num-seeds 256 --total-timesteps 100000 \
     --target-return inf
   ;;

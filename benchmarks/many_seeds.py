@@ -46,7 +46,8 @@ class ManySeedsArgs:
     steps: int = 500_000
     """env steps per seed (no target: every run goes the whole way)"""
     compile: bool = False
-    """a row for `--num-seeds K --compile`: refused at start for now (docs/running.md#many-seeds says why)"""
+    """a row for `--num-seeds K --compile` on a warm inductor cache (a first run, not timed, fills it): the compile
+    seconds of both are printed apart"""
     scaling: list[int] = field(default_factory=list)
     """instead: wall time per seed of `--num-seeds K` for each K given (and 1), in one process each"""
     plot: Optional[str] = None
@@ -99,33 +100,47 @@ def flat(ks: list[int], py: str, script: str) -> None:
               f"{jax_s / rows[0][3]:.2f}x |")  # fmt: skip
 
 
-def timed(commands: list[list[str]]) -> tuple[float, float]:
-    """Seconds to run `commands` one after another, each a fresh process in a scratch folder (cold caches), and the
-    largest peak resident memory of one of them, in MiB (os.wait4: that child's own)."""
+def timed(commands: list[list[str]], cache: Optional[str] = None) -> tuple[float, float]:
+    """Seconds to run `commands` one after another, each a fresh process in a scratch folder (cold caches, or the
+    inductor cache `cache`), and the largest peak resident memory of one of them, in MiB (os.wait4: that child's own).
+    Their seconds of compiling and of training (summary.json's) are added up in PARTS[`commands`' first]."""
     start, peak = time.perf_counter(), 0.0
     for command in commands:
         with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache or os.path.join(tmp, "inductor"))
             proc = subprocess.Popen(command, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             _, status, usage = os.wait4(proc.pid, 0)
             if os.waitstatus_to_exitcode(status) != 0:
                 raise SystemExit(f"failed: {' '.join(command)}\n{proc.stderr.read().decode()[-2000:]}")
             proc.stderr.close()
             peak = max(peak, usage.ru_maxrss / 1024)  # KiB on Linux
+            seeds = [s for s in map(read_summary, glob.glob(os.path.join(tmp, "runs", "*"))) if "run_dirs" not in s]
+            key = " ".join(commands[0])
+            if seeds:  # (the JAX peer writes no run folder; K seeds in one process: the same seconds each)
+                parts = max(s["setup_parts"].get("compiled", 0.0) for s in seeds), max(s["wall_seconds"] for s in seeds)
+                PARTS[key] = [a + b for a, b in zip(PARTS.get(key, [0.0, 0.0]), parts)]
     return time.perf_counter() - start, peak
 
 
-def table(title: str, rows: dict[str, list[list[str]]], k: int) -> dict[str, float]:
-    """Time each row's commands, print the markdown table (the first row is the base of the ratios)."""
+PARTS: dict[str, list[float]] = {}
+"""Seconds of compiling (iteration 1) and of training (summary.json's wall_seconds) by the first command of a row."""
+
+
+def table(title: str, rows: dict[str, list[list[str]] | tuple], k: int) -> dict[str, float]:
+    """Time each row's commands (or `timed`'s arguments), print the markdown table (the first row: the ratios' base)."""
     results = {}
     for label, commands in rows.items():
-        results[label] = timed(commands)
+        results[label] = timed(*commands) if isinstance(commands, tuple) else timed(commands)
         print(f"  {label}: {results[label][0]:.1f} s", file=sys.stderr, flush=True)
     base = next(iter(results.values()))[0]
     print(f"\n| {title} | wall s, launch to last result | per seed | vs the first row | peak memory of a process |")
     print("|---|---|---|---|---|")
     for label, (seconds, peak) in results.items():
         print(f"| {label} | {seconds:.1f} | {seconds / k:.1f} | {base / seconds:.2f}x | {peak:,.0f} MiB |")
+    print("\n| row | compiling s (iteration 1) | training s (wall_seconds, added up) |\n|---|---|---|")
+    for label, commands in rows.items():
+        if parts := PARTS.get(" ".join((commands[0] if isinstance(commands, tuple) else commands)[0])):
+            print(f"| {label} | {parts[0]:.1f} | {parts[1]:.1f} |")
     return {label: seconds for label, (seconds, _) in results.items()}
 
 
@@ -292,13 +307,18 @@ def main() -> None:
         one_by_one = [ours + ["--seed", str(s)] for s in range(1, k + 1)]
         rows = {f"ppo_cartpole_gpu.py, {k} runs one after another": one_by_one}
         rows[f"ppo_cartpole_gpu.py --num-seeds {k} (one process)"] = [ours + ["--num-seeds", str(k)]]
-        if bench.compile:
-            rows[f"ppo_cartpole_gpu.py --num-seeds {k} --compile"] = [ours + ["--num-seeds", str(k), "--compile"]]
+        if bench.compile:  # on a warm cache: a first run fills it (the time a first run of these flags takes)
+            cache, compiled = tempfile.mkdtemp(), ours + ["--num-seeds", str(k), "--compile"]
+            cold, (compiling, _) = timed([compiled], cache)[0], PARTS.pop(" ".join(compiled))
+            print(f"  --compile, cold cache: {cold:.1f} s, {compiling:.1f} s of it compiling", file=sys.stderr)
+            rows[f"ppo_cartpole_gpu.py --num-seeds {k} --compile (warm cache)"] = ([compiled], cache)
         rows[f"JAX peer, {k} runs one after another"] = [peer + ["--seed", str(s)] for s in range(1, k + 1)]
         rows[f"JAX peer, --num-seeds {k} (vmapped, one process)"] = [peer + ["--seed", "1", "--num-seeds", str(k)]]
         seconds = table(f"{k} seeds x {bench.steps:,} steps", rows, k)
         ours_k, jax_k = seconds[f"ppo_cartpole_gpu.py --num-seeds {k} (one process)"], list(seconds.values())[-1]
         print(f"\n--num-seeds {k} against the JAX peer vmapped: {jax_k / ours_k:.2f}x (above 1: ours is faster)")
+        for label in [label for label in seconds if "--compile" in label]:
+            print(f"{label} against the JAX peer vmapped: {jax_k / seconds[label]:.2f}x")
     print(f"\n`python {' '.join(sys.argv)}` on {machine(jax)}, {torch.get_num_threads()} torch threads by default")
 
 
