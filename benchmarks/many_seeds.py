@@ -9,6 +9,7 @@ K seeds `jax.vmap`ped in one program (PureJaxRL's headline). Prints markdown tab
     python benchmarks/many_seeds.py --brax 8 --steps 100000            # Brax inverted_pendulum, 8 seeds
     python benchmarks/many_seeds.py --statistics 16   # the defaults to the target: --num-seeds 16 learns as 16 runs?
     python benchmarks/many_seeds.py --profile 16 --steps 100000  # where --num-seeds 16's time goes, by part and op
+    python benchmarks/many_seeds.py --compile                   # adds --num-seeds 16 --compile (warm cache) as a row
     python benchmarks/many_seeds.py --flat 16 256   # the host's work against K: 40 tiny iterations, K = 16 and 256
 """
 
@@ -47,7 +48,7 @@ class ManySeedsArgs:
     """env steps per seed (no target: every run goes the whole way)"""
     compile: bool = False
     """a row for `--num-seeds K --compile` on a warm inductor cache (a first run, not timed, fills it): the compile
-    seconds of both are printed apart"""
+    seconds of both are printed apart; with --profile: the compiled stacked call's profile (iteration 1 apart)"""
     scaling: list[int] = field(default_factory=list)
     """instead: wall time per seed of `--num-seeds K` for each K given (and 1), in one process each"""
     plot: Optional[str] = None
@@ -179,11 +180,11 @@ def statistics(k: int, py: str, script: str) -> None:
     print(f"\nsteps to solve, apart against stacked: two-sided permutation p = {p:.2f} (mean ranks, 100,000 shuffles)")
 
 
-def profile(k: int, steps: int, tiny: bool = False) -> None:
+def profile(k: int, steps: int, tiny: bool = False, compile: bool = False) -> None:
     """--num-seeds K timed by part: the stacked calls (the vmapped iteration, all seeds' device work), `run.each` (the
     seeds' noise, all drawn in one vmapped call), the logs (one host read, the seeds' counters in arrays, the outputs
     every 10 s), and the rest (the loop's Python, the set-up); then the ops that took the most time in the third
-    stacked call (torch.profiler)."""
+    stacked call (torch.profiler). `compile`: the stacked call compiled, its first (compiling) call left out."""
     import functools
 
     from torch.profiler import profile as torch_profile
@@ -192,7 +193,8 @@ def profile(k: int, steps: int, tiny: bool = False) -> None:
     import ladder.stacked
     import ppo_cartpole_gpu as P
 
-    args = P.Args(num_seeds=k, total_timesteps=steps, target_return=None, progress_bar=False, eval_episodes=0)
+    args = P.Args(num_seeds=k, total_timesteps=steps, target_return=None, progress_bar=False, eval_episodes=0,
+                  compile=compile)  # fmt: skip
     if tiny:
         args = replace(args, num_envs=4, num_steps=8, num_minibatches=2, total_timesteps=1280)
         torch.set_num_threads(1)
@@ -214,27 +216,29 @@ def profile(k: int, steps: int, tiny: bool = False) -> None:
 
     call_as_written = ladder.stacked.Stacked.call
 
-    def call(stack, fn, *inputs):
+    def call(stack, fn, *inputs, **how):
         if fn.__name__ != "one_iteration":  # `run.each`'s calls: counted there
-            return call_as_written(stack, fn, *inputs)
+            return call_as_written(stack, fn, *inputs, **how)
         calls[0] += 1
+        if calls[0] == 1 and compile:  # compiling: not training time, as in the script's own clock
+            return clocked("compiling", call_as_written)(stack, fn, *inputs, **how)
         if calls[0] != 3:  # the third: warm (a CUDA graph recorded, a compiled graph built); it and the profiler's
-            return clocked("calls", call_as_written)(stack, fn, *inputs)  # own cost are left out of the times
+            return clocked("calls", call_as_written)(stack, fn, *inputs, **how)  # own cost are left out of the times
         start = time.perf_counter()
         with torch_profile() as prof:
-            out = call_as_written(stack, fn, *inputs)
+            out = call_as_written(stack, fn, *inputs, **how)
             sync()
         ops.append(prof)
         seconds["profiled"] = time.perf_counter() - start
         return out
 
     ladder.stacked.Stacked.call = call
-    ladder.stacked.Stacked.each = clocked("each", ladder.stacked.Stacked.each)
+    ladder.run.Run.each = clocked("each", ladder.run.Run.each)
     ladder.run.Run.log = clocked("log", ladder.run.Run.log)
     start = time.perf_counter()
     P.train(args)
-    profiled = seconds.get("profiled", 0.0)
-    wall, n = time.perf_counter() - start - profiled, calls[0] - bool(profiled)
+    profiled, compiling = seconds.get("profiled", 0.0), seconds.get("compiling", 0.0)
+    wall, n = time.perf_counter() - start - profiled - compiling, calls[0] - bool(profiled) - bool(compiling)
     parts = {
         "the stacked calls (the vmapped iteration)": seconds["calls"],
         f"`run.each`: the {k} seeds' noise, in one vmapped call": seconds["each"],
@@ -242,7 +246,9 @@ def profile(k: int, steps: int, tiny: bool = False) -> None:
         "the rest (the loop's Python, the set-up, the end)": wall - seconds["calls"] - seconds["each"] - seconds["log"],
     }
     size = f"{args.total_timesteps:,} steps each, {args.device}"
-    title = f"`--num-seeds {k}`, {size}: {n} iterations (the profiled one left out)"
+    title = f"`--num-seeds {k}{' --compile' * compile}`, {size}: {n} iterations (the profiled one left out)"
+    if compile:
+        print(f"\nIteration 1 compiled in {compiling:.1f} s, left out below")
     print(f"\n| {title} | s | share | ms per iteration |\n|---|---|---|---|")
     for part, s in {"the whole run": wall, **parts}.items():
         print(f"| {part} | {s:.1f} | {100 * s / wall:.0f}% | {1000 * s / n:.1f} |")
@@ -271,7 +277,7 @@ def main() -> None:
     elif bench.statistics:
         statistics(bench.statistics, py, script)
     elif bench.profile:
-        profile(bench.profile, bench.steps, bench.tiny)
+        profile(bench.profile, bench.steps, bench.tiny, bench.compile)
     elif bench.brax:
         k = bench.brax
         brax = [py, os.path.join(ROOT, "ppo_mujoco_brax.py"), "--env-id", "inverted_pendulum", "--total-timesteps",
