@@ -142,6 +142,23 @@ def test_compiled_seeds_train_as_eager_ones_in_one_graph_and_resume_exactly(in_t
         assert_same_agents(compiled[k], eager[k], "compiled", atol=2e-4, rtol=1e-3)  # seed k + 1
 
 
+@pytest.mark.slow  # ~1.5 min of compiling; PPO's test above runs the machinery they share in CI
+@pytest.mark.parametrize("script", ["vpg", "ppo_mujoco_brax"])
+def test_compiled_seeds_of_vpg_and_brax_train_as_eager_ones(script, in_tmp):
+    """VPG's stacked iteration and Brax's stacked update (its envs step in JAX seed by seed, outside the graph),
+    compiled with two seeds: each seed's weights as the eager stacked call's, within float tolerance."""
+    module = import_script(script)
+    flags = dict(num_envs=8, num_steps=8, total_timesteps=8 * 8 * 6, eval_episodes=0)
+    if script == "ppo_mujoco_brax":
+        flags |= dict(env_id="inverted_pendulum", num_minibatches=1, update_epochs=2, total_timesteps=8 * 8 * 5)
+    args = small_args(module, num_seeds=2, **flags)
+    eager = train_seeds(module, replace(args, exp_name="eager"))
+    torch._dynamo.reset()
+    compiled = train_seeds(module, replace(args, exp_name="compiled", compile=True))
+    for k in range(2):
+        assert_same_agents(compiled[k], eager[k], "compiled", atol=2e-4, rtol=1e-3)  # seed k + 1
+
+
 def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_path):
     flags = ["--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "100000000", "--target-return", "None",
              "--checkpoint-interval", "0", "--no-progress-bar"]  # fmt: skip
