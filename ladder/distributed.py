@@ -59,8 +59,9 @@ def ranks_apart(shared: dict, noted: set, note) -> dict[str, torch.Tensor]:
             fix = f"average its gradients: average_gradients({owner}) between backward() and step(), docs/modifying.md"
             note(f"{owner} differs between the torchrun ranks ({fix}); rank 0's is saved")
         else:
-            verb, kept = "differs" if len(own) == 1 else "differ", "each rank's is saved and resumed as its own"
-            note(f"{', '.join(own)} {verb} between the torchrun ranks: {kept} (docs/modifying.md#your-own-state)")
+            verb = "differs" if len(own) == 1 else "differ"
+            kept = "each rank's is saved and resumed as its own (docs/modifying.md#your-own-state)"
+            note(f"{', '.join(own)} {verb} between the torchrun ranks: {kept}")
     return {name: tensors[name].cpu() for name in apart if name not in parameters}
 
 

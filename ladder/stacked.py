@@ -177,6 +177,5 @@ def refusing(call, *args):
         if not any(word in str(e) for word in ("vmap", "functorch", "batched")):
             raise
         where = your_line(traceback.extract_tb(e.__traceback__))
-        raise UsageError(
-            f"--num-seeds: {str(e).splitlines()[0][:160]} ({where}); see docs/modifying.md#many-seeds"
-        ) from None
+        message = f"--num-seeds: {str(e).splitlines()[0][:160]} ({where}); see docs/modifying.md#many-seeds"
+        raise UsageError(message) from None
