@@ -101,11 +101,11 @@ def flat(ks: list[int], py: str, script: str) -> None:
               f"{jax_s / rows[0][3]:.2f}x |")  # fmt: skip
 
 
-def timed(commands: list[list[str]], cache: Optional[str] = None) -> tuple[float, float]:
+def timed(commands: list[list[str]], cache: Optional[str] = None) -> tuple[float, float, Optional[list[float]]]:
     """Seconds to run `commands` one after another, each a fresh process in a scratch folder (cold caches, or the
-    inductor cache `cache`), and the largest peak resident memory of one of them, in MiB (os.wait4: that child's own).
-    Their seconds of compiling and of training (summary.json's) are added up in PARTS[`commands`' first]."""
-    start, peak = time.perf_counter(), 0.0
+    inductor cache `cache`); the largest peak resident memory of one of them, in MiB (os.wait4: that child's own);
+    their seconds of compiling (iteration 1) and of training (summary.json's), added up (None: no run folder)."""
+    start, peak, parts = time.perf_counter(), 0.0, None
     for command in commands:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache or os.path.join(tmp, "inductor"))
@@ -116,15 +116,10 @@ def timed(commands: list[list[str]], cache: Optional[str] = None) -> tuple[float
             proc.stderr.close()
             peak = max(peak, usage.ru_maxrss / 1024)  # KiB on Linux
             seeds = [s for s in map(read_summary, glob.glob(os.path.join(tmp, "runs", "*"))) if "run_dirs" not in s]
-            key = " ".join(commands[0])
             if seeds:  # (the JAX peer writes no run folder; K seeds in one process: the same seconds each)
-                parts = max(s["setup_parts"].get("compiled", 0.0) for s in seeds), max(s["wall_seconds"] for s in seeds)
-                PARTS[key] = [a + b for a, b in zip(PARTS.get(key, [0.0, 0.0]), parts)]
-    return time.perf_counter() - start, peak
-
-
-PARTS: dict[str, list[float]] = {}
-"""Seconds of compiling (iteration 1) and of training (summary.json's wall_seconds) by the first command of a row."""
+                mine = max(s["setup_parts"].get("compiled", 0.0) for s in seeds), max(s["wall_seconds"] for s in seeds)
+                parts = [a + b for a, b in zip(parts or [0.0, 0.0], mine)]
+    return time.perf_counter() - start, peak, parts
 
 
 def table(title: str, rows: dict[str, list[list[str]] | tuple], k: int) -> dict[str, float]:
@@ -136,13 +131,13 @@ def table(title: str, rows: dict[str, list[list[str]] | tuple], k: int) -> dict[
     base = next(iter(results.values()))[0]
     print(f"\n| {title} | wall s, launch to last result | per seed | vs the first row | peak memory of a process |")
     print("|---|---|---|---|---|")
-    for label, (seconds, peak) in results.items():
+    for label, (seconds, peak, _) in results.items():
         print(f"| {label} | {seconds:.1f} | {seconds / k:.1f} | {base / seconds:.2f}x | {peak:,.0f} MiB |")
     print("\n| row | compiling s (iteration 1) | training s (wall_seconds, added up) |\n|---|---|---|")
-    for label, commands in rows.items():
-        if parts := PARTS.get(" ".join((commands[0] if isinstance(commands, tuple) else commands)[0])):
+    for label, (_, _, parts) in results.items():
+        if parts is not None:
             print(f"| {label} | {parts[0]:.1f} | {parts[1]:.1f} |")
-    return {label: seconds for label, (seconds, _) in results.items()}
+    return {label: seconds for label, (seconds, _, _) in results.items()}
 
 
 def rank_sum_p(a: np.ndarray, b: np.ndarray, reps: int = 100_000, seed: int = 0) -> float:
@@ -291,7 +286,7 @@ def main() -> None:
         seconds = {n: timed([ours + ["--num-seeds", str(n)]]) for n in ks}
         print(f"\n| --num-seeds K, {bench.steps:,} steps each | wall s | per seed | vs K=1, per seed | peak memory |")
         print("|---|---|---|---|---|")
-        for n, (s, peak) in seconds.items():
+        for n, (s, peak, _) in seconds.items():
             print(f"| {n} | {s:.1f} | {s / n:.2f} | {seconds[1][0] / (s / n):.2f}x | {peak:,.0f} MiB |")
         if bench.plot:
             import matplotlib
@@ -315,7 +310,7 @@ def main() -> None:
         rows[f"ppo_cartpole_gpu.py --num-seeds {k} (one process)"] = [ours + ["--num-seeds", str(k)]]
         if bench.compile:  # on a warm cache: a first run fills it (the time a first run of these flags takes)
             cache, compiled = tempfile.mkdtemp(), ours + ["--num-seeds", str(k), "--compile"]
-            cold, (compiling, _) = timed([compiled], cache)[0], PARTS.pop(" ".join(compiled))
+            cold, _, (compiling, _) = timed([compiled], cache)
             print(f"  --compile, cold cache: {cold:.1f} s, {compiling:.1f} s of it compiling", file=sys.stderr)
             rows[f"ppo_cartpole_gpu.py --num-seeds {k} --compile (warm cache)"] = ([compiled], cache)
         rows[f"JAX peer, {k} runs one after another"] = [peer + ["--seed", str(s)] for s in range(1, k + 1)]
