@@ -1,15 +1,19 @@
 import contextlib
 import difflib
 import glob
+import hashlib
 import importlib
 import importlib.util
 import io
 import json
 import os
 import pathlib
+import platform
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from dataclasses import replace
@@ -43,6 +47,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def pytest_configure(config):
     """--script COPY: the CartPole script COPY is closest to (by its lines) is the one whose behavioural tests run,
     with COPY in its place; the others' tests and the housekeeping ones (identity, budgets) are deselected."""
+    share_jax_compilations(config)
     if not (path := config.getoption("--script")):
         return
     path = os.path.abspath(path)
@@ -56,6 +61,26 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--script {path}: give the copy a name of its own (not {name}.py)")
     COPY[name], PATHS[name], SCRIPTS[:] = source, path, [name]
     sys.path.insert(0, os.path.dirname(path))
+
+
+def share_jax_compilations(config) -> None:
+    """JAX's compiled Brax envs kept on disk, in pytest's cache folder, for every process of the suite (each Brax
+    test and its subprocesses compiled the same reset and step again: ~10 s a time on a CPU) and for the next run.
+    Set before JAX is imported, read when it is; a folder the user names in JAX_COMPILATION_CACHE_DIR is kept.
+    https://docs.jax.dev/en/latest/persistent_compilation_cache.html"""
+    if getattr(config, "cache", None) is not None and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(config.cache.mkdir(f"jax-compilations-{cpu_features()}"))
+
+
+def cpu_features() -> str:
+    """A short hash of this CPU's instruction sets, so that a folder moved to another kind of CPU is not read there:
+    JAX loads programs compiled for other instruction sets with only a warning ("could lead to ... SIGILL")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):  # not Linux
+        flags = platform.machine() + platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
 def pytest_report_header(config):
@@ -86,6 +111,56 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=install_hint(extra))
         for item in [item for item in items if extra in item.nodeid.lower()]:
             item.add_marker(skip)
+    items.sort(key=lambda item: item.get_closest_marker("started_early") is not None)  # they wait: last
+
+
+STARTED: dict[str, tuple] = {}
+"""The `started_early` tests' runs, by test id: (their folder, what the marker's function returned)."""
+BACKGROUND: list[subprocess.Popen] = []
+"""Every process `start_in_background` started, stopped when the session ends."""
+
+
+def pytest_collection_finish(session):
+    """The runs of each selected `started_early` test start as the session does, in the background: on the cores the
+    other tests leave idle (they keep 1.3 of 2 busy, on average), where the test, run last, finds them done."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("started_early")
+        if marker and not item.get_closest_marker("skip"):
+            folder = pathlib.Path(tempfile.mkdtemp(prefix="started_early_"))
+            try:
+                STARTED[item.nodeid] = folder, marker.args[0](folder)
+            except Exception:  # the test starts them itself, and fails with the error there
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_sessionfinish(session):
+    for process in BACKGROUND:
+        if process.poll() is None:  # a test that did not get to wait for it (-x, Ctrl-C)
+            process.kill()
+            process.wait()
+    for folder, _ in STARTED.values():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_in_background(command: list, **popen) -> subprocess.Popen:
+    """`command` at the lowest priority (nice 19, where the OS has it), so the tests in front keep their cores; set as
+    it starts, before the threads it makes later, which inherit it."""
+    process = subprocess.Popen(command, **popen)
+    if hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, process.pid, 19)
+    BACKGROUND.append(process)
+    return process
+
+
+@pytest.fixture
+def started_early(request, tmp_path):
+    """(folder, what the test's `started_early` function returned) for the runs that started with the session; they
+    start now where the session did not start them."""
+    if request.node.nodeid in STARTED:
+        return STARTED[request.node.nodeid]
+    return tmp_path, request.node.get_closest_marker("started_early").args[0](tmp_path)
 
 
 def learning_last(items: list) -> list:
