@@ -382,7 +382,12 @@ def test_evaluation_games_end_without_the_agent_pressing_fire(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "env_id, flags",
-    [("Breakout-v5", []), ("Pong-v5", ["--async-envs", "--capture-video", "--video-interval", "2", "--save-model"])],
+    [
+        # slow: CI runs Breakout's defaults (synchronous envs) in test_layout's recorded scalars, its evaluation in
+        # the never-FIRE test above, and the command line and summary here with Pong
+        pytest.param("Breakout-v5", [], marks=pytest.mark.slow),
+        ("Pong-v5", ["--async-envs", "--capture-video", "--video-interval", "2", "--save-model"]),
+    ],
 )
 def test_smoke_run_on_a_real_game(env_id, flags, tmp_path):
     flags = ["--env-id", env_id, "--num-envs", "8", "--num-steps", "32", "--total-timesteps", "1024",

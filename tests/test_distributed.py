@@ -155,7 +155,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
 
 def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
     """Rank 0 evaluates alone at the end while the other ranks are done: with collectives timing out after 3 s (5 min
-    in the scripts) and an evaluation of 8 s (Brax's could take minutes), the run still ends well, with its summary
+    in the scripts) and an evaluation of 5 s (Brax's could take minutes), the run still ends well, with its summary
     (before, the other ranks timed out in a final barrier and torchrun killed rank 0 before it wrote summary.json).
     And `main` frees the process group: its Gloo threads are gone before the interpreter exits (before, torch's first
     optimizer imported torch.distributed.nn, whose defaults kept the group, so its threads ran on into the exit, where
@@ -168,7 +168,7 @@ import torch.distributed as dist
 import ppo_cartpole_gpu as P
 init, evaluate = dist.init_process_group, P.evaluate
 dist.init_process_group = lambda backend, **kw: init(backend, **kw | {{"timeout": datetime.timedelta(seconds=3)}})
-P.evaluate = lambda *args: time.sleep(8) or evaluate(*args)
+P.evaluate = lambda *args: time.sleep(5) or evaluate(*args)
 P.main()
 tasks = "/proc/self/task"  # Linux: the process's threads by name (elsewhere none are listed)
 names = [open(os.path.join(tasks, t, "comm")).read().strip() for t in os.listdir(tasks)] if os.path.isdir(tasks) else []
