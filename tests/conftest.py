@@ -130,7 +130,7 @@ def pytest_collection_finish(session):
         if marker and not item.get_closest_marker("skip"):
             folder = pathlib.Path(tempfile.mkdtemp(prefix="started_early_"))
             try:
-                STARTED[item.nodeid] = folder, marker.args[0](folder)
+                STARTED[item.nodeid] = folder, marker.kwargs["start"](folder)
             except Exception:  # the test starts them itself, and fails with the error there
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -160,7 +160,7 @@ def started_early(request, tmp_path):
     start now where the session did not start them."""
     if request.node.nodeid in STARTED:
         return STARTED[request.node.nodeid]
-    return tmp_path, request.node.get_closest_marker("started_early").args[0](tmp_path)
+    return tmp_path, request.node.get_closest_marker("started_early").kwargs["start"](tmp_path)
 
 
 def learning_last(items: list) -> list:

@@ -340,7 +340,9 @@ def assert_few_failed(failed: list[tuple], allowed: int = 0) -> None:
 
 
 @pytest.mark.learning
-@pytest.mark.started_early(lambda folder: start_pendulum_runs(folder, [(1, 1), (2, 1)], start=start_in_background))
+@pytest.mark.started_early(
+    start=lambda folder: start_pendulum_runs(folder, [(1, 1), (2, 1)], start=start_in_background)
+)
 def test_inverted_pendulum_is_learned_on_two_seeds(started_early):
     """Seeds 1 and 2 with one thread each (main's choice at 256 envs), started with the session in the background,
     where they take ~2 minutes of the other tests' idle time; the test, last, waits for them. Seed 1 stalled at a

@@ -957,6 +957,49 @@ def test_a_failing_test_that_compiled_shows_no_torch_debug_log(tmp_path):
     assert "DEBUG" not in run.stdout and len(run.stdout.splitlines()) < 60, run.stdout[-3000:]
 
 
+EARLY_TESTS = """
+import os, subprocess, sys, pytest
+from conftest import start_in_background
+
+
+def start(folder):
+    command = [sys.executable, "-c", "import time; time.sleep(300)"]
+    process = start_in_background(command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.environ["PID_FILE"], "w") as f:
+        f.write(str(process.pid))
+    return process
+
+
+@pytest.mark.started_early(start=start)
+def test_started_early(started_early):
+    folder, process = started_early
+    assert process.poll() is None and os.getpriority(os.PRIO_PROCESS, process.pid) == 19
+
+
+def test_other():
+    assert "FAIL" not in os.environ
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="nice values are POSIX's")
+def test_a_started_early_test_runs_last_and_its_runs_end_with_the_session(tmp_path):
+    """`started_early` (Brax's two-seed learning test): its runs start with the session at the lowest priority, it
+    runs after the other tests, and a session that ends before it (here -x, a test failed) stops its runs."""
+    (tmp_path / "test_early.py").write_text(EARLY_TESTS)
+    command = [sys.executable, "-m", "pytest", "-c", os.path.join(ROOT, "pytest.ini"), "--rootdir", ROOT, "-p",
+               "conftest", "-p", "no:cacheprovider", "-v", "-x", str(tmp_path / "test_early.py")]  # fmt: skip
+    pid_file = tmp_path / "pid"
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"PID_FILE": str(pid_file)})  # fmt: skip
+    order = [line.split("::")[1].split()[0] for line in run.stdout.splitlines() if "::" in line]
+    assert run.returncode == 0 and order == ["test_other", "test_started_early"], run.stdout[-3000:]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"PID_FILE": str(pid_file), "FAIL": "1"})  # fmt: skip
+    assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout[-3000:]
+    with pytest.raises(ProcessLookupError):  # killed and waited for: gone
+        os.kill(int(pid_file.read_text()), 0)
+
+
 # Many seeds -----------------------------------------------------------------------------------
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
