@@ -262,7 +262,8 @@ def test_openmp_threads_sleep_when_idle_unless_told_otherwise(name):
     assert line in inspect.getsource(module)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = f"import os, sys; sys.path.insert(0, {root!r}); import {name}, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    for exported, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE"))[: 2 if name == SCRIPTS[0] else 1]:
+    cases = [(None, "PASSIVE")] + ([("ACTIVE", "ACTIVE")] if name == SCRIPTS[0] else [])
+    for exported, expected in cases:
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         if exported:
             env["OMP_WAIT_POLICY"] = exported
