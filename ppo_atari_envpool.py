@@ -47,7 +47,6 @@ from ladder.cuda_graph import CudaGraph
 from ladder.distributed import mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
-from ladder.outputs import video_writer
 from ladder.run import Run
 
 THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
@@ -520,7 +519,7 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float
     ids = info["env_id"]
     with (
         torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-        video_writer(video, fps=15) if video else contextlib.nullcontext() as writer,
+        video_writer(video) if video else contextlib.nullcontext() as writer,
     ):
         torch.manual_seed(args.seed + 1)
         while np.isnan(scores).any():
@@ -541,9 +540,17 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float
     return scores.tolist()
 
 
+def video_writer(path: str):
+    """An MP4 writer at `path`, 15 agent steps (60 frames) a second; H.264 needs even sides: odd ones are padded."""
+    import imageio.v2 as imageio  # (only a run that films imports it)
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return imageio.get_writer(path, fps=15, macro_block_size=2)
+
+
 def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
     """A grid video of up to 16 envs' frames from `rollout`'s T steps at `path`; returns the path."""
-    with video_writer(path, fps=15) as writer:
+    with video_writer(path) as writer:
         for frame in grid_video(rollout.obs[: len(rollout.obs) // 2]):
             writer.append_data(frame)
     return path

@@ -40,7 +40,6 @@ from ladder.cuda_graph import CudaGraph
 from ladder.distributed import mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
-from ladder.outputs import video_writer
 from ladder.run import Run
 
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
@@ -548,7 +547,10 @@ def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
     frames[:, :, [0, -1]] = 128  # thin grey border between tiles
     frames[:, :, :, [0, -1]] = 128
     frames = frames.view(t, rows, cols, h, w, 3).permute(0, 1, 3, 2, 4, 5).reshape(t, rows * h, cols * w, 3)
-    with video_writer(path, fps) as writer:
+    import imageio.v2 as imageio  # (only a run that films imports it)
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with imageio.get_writer(path, fps=fps, macro_block_size=2) as writer:  # odd sides padded to even (H.264)
         for frame in frames.cpu().numpy():
             writer.append_data(frame)
     return path

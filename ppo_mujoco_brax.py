@@ -44,7 +44,6 @@ from ladder.cuda_graph import CudaGraph
 from ladder.distributed import mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
-from ladder.outputs import video_writer
 from ladder.run import Run
 
 Locomotion = Literal["ant", "halfcheetah", "hopper", "walker2d", "humanoid"]
@@ -564,13 +563,15 @@ def film(envs: BraxVecEnv, states: list, path: str) -> None:
     with open(path.removesuffix(".mp4") + ".html", "w") as f:
         f.write(html.render(envs.env.sys, states))
     try:
+        import imageio.v2 as imageio
         from brax.io import image
 
         frames = image.render_array(envs.env.sys, states, width=320, height=240)
     except Exception as e:  # no OpenGL context: a headless machine without EGL or OSMesa
         print(f"note: no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl)", file=sys.stderr)
         return
-    with video_writer(path, fps=round(1 / envs.env.dt)) as writer:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with imageio.get_writer(path, fps=round(1 / envs.env.dt), macro_block_size=2) as writer:  # even sides (H.264)
         for frame in frames:
             writer.append_data(frame)
 

@@ -62,7 +62,6 @@ class Outputs:
             print(f"{label}{done:,}/{total:,} steps, {speed}, return {recent}", file=sys.stderr)
 
     def video(self, path: str, key: str) -> None:
-        """A video at `path` to W&B, under `key`."""
         if self.wandb is not None and os.path.exists(path):
             self.wandb.log({key: sys.modules["wandb"].Video(path, format="mp4")})
 
@@ -75,11 +74,3 @@ class Outputs:
         self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def video_writer(path: str, fps: int):
-    """An MP4 writer (imageio's ffmpeg, H.264): `append_data(frame)` for each RGB frame (H, W, 3) uint8, then close."""
-    import imageio.v2 as imageio
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return imageio.get_writer(path, fps=fps, macro_block_size=2)  # odd sides padded to even, as H.264 needs
