@@ -7,11 +7,11 @@ import traceback
 import warnings
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ladder.flags import your_line
 from ladder.optim import Adam
+from ladder.stacked import get, put, slots
 
 
 class HostWatch(torch.overrides.TorchFunctionMode):
@@ -43,10 +43,7 @@ class CudaGraph:
 
     def __init__(self, fn, run):
         self.fn, self.run, self.replay, self.calls, optimizer = fn, run, None, 0, run.optimizer
-        state = [v for v in run.stateful.values() if not torch.is_tensor(v) and v is not optimizer]
-        tables = [m._buffers for obj in state if isinstance(obj, nn.Module) for m in obj.modules()]
-        tables += [vars(obj) for obj in state if not isinstance(obj, nn.Module)]  # an env's state, a module's buffers
-        self.slots = [(table, k) for table in tables for k, v in table.items() if torch.is_tensor(v)]
+        self.slots = slots(run.stateful)  # where the state's tensors live: a module's buffers, an env's attributes
         self.reason = None if run.args.cuda_graph else ""  # None: to be recorded; "": not, silently
         if self.reason is None and not isinstance(optimizer, Adam):  # its rates: device tensors a replay reads
             self.reason = f"{type(optimizer).__name__} is not ladder.optim.Adam, whose step a graph can hold"
@@ -78,9 +75,9 @@ class CudaGraph:
 
     def hold(self) -> None:
         """State tensors that `fn` replaced (out of place, a reset) copied into the recorded ones."""
-        for (table, k), static in zip(self.slots, self.static_slots):
-            if table[k] is not static:
-                table[k] = static.copy_(table[k])
+        for place, static in zip(self.slots, self.static_slots):
+            if get(place) is not static:
+                put(place, static.copy_(get(place)))
 
     @contextlib.contextmanager
     def warm_up(self):
@@ -103,7 +100,7 @@ class CudaGraph:
 
     def start_recording(self, leaves, spec) -> None:
         """Call 2: `fn` recorded (no work done) on copies of the inputs and on the state tensors as they are."""
-        start, saved = time.perf_counter(), [(table, k, table[k]) for table, k in self.slots]
+        start, saved = time.perf_counter(), [(place, get(place)) for place in self.slots]
         # an input that is a state tensor (the obs a reset returned) stays that tensor, as in the warm-up: compiled
         # code is specialised on which inputs alias, and would compile again inside the recording (and fail)
         self.static_slots = held = [v for *_, v in saved]
@@ -120,8 +117,8 @@ class CudaGraph:
         try:
             self.replay = self.record(body)
         except Exception as e:  # a host read or a CPU tensor during the recording, an op CUDA graphs cannot hold
-            for table, k, v in saved:
-                table[k] = v
+            for place, value in saved:
+                put(place, value)
             if cuda:
                 generator.graphsafe_set_state(rng)
             while e.__context__ is not None:  # the first error: the others followed from it

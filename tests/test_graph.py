@@ -22,6 +22,7 @@ from conftest import (
 )
 from conftest import train_seeds as train_seeds_of
 from ladder.cuda_graph import CudaGraph
+from ladder.stacked import get, put
 from test_compile import torch_step
 from test_modifications import adaptive_penalty
 
@@ -138,8 +139,8 @@ def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, 
     module.train(replace(args, exp_name="plain"))
 
     def failing(self, body):  # as a recording: the env's tensors replaced by ones never computed, then the error
-        for table, key in self.slots:
-            table[key] = torch.full_like(table[key], 3)
+        for place in self.slots:
+            put(place, torch.full_like(get(place), 3))
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
 
     replayed_on_the_cpu(module, monkeypatch, failing if trouble == "recording fails" else lambda self, body: body)
