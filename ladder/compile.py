@@ -13,6 +13,9 @@ def compiled(fn):
     import torch._inductor.config as inductor  # (not imported by `import torch`)
 
     inductor.fallback_random = True  # random ops (dropout) draw as eager ones do: the same numbers
+    # the gradient by torch.autograd.grad, as eager: compiled torch.func.grad gets dropout wrong (docs/modifying.md)
+    if hasattr(torch._dynamo.config, "trace_autograd_ops"):  # (an older torch: torch.func.grad, ladder/optim.py)
+        torch._dynamo.config.trace_autograd_ops = True
     # ops inlined per kernel (CPU default 50: a Pendulum rollout took 435 s to compile, at 30 59 s; compile_time.py)
     bound = {"realize_cpu_opcount_threshold": 30} if hasattr(inductor, "realize_cpu_opcount_threshold") else {}
     graph = torch.compile(fn, fullgraph=True, options=bound)

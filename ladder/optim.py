@@ -44,7 +44,7 @@ class Adam(torch.optim.Optimizer):
 
     def attach(self, flat: torch.Tensor) -> None:
         """The flat vector `flat` (the stacked seeds': [K, ...]), the module's parameters views of it."""
-        self.held["flat"], views = flat, self.views(flat)
+        self.held["flat"], views, self.vmapped = flat, self.views(flat), flat.dim() > 1  # K seeds': used in vmap
         for table, key, i in self.places:
             table[key].data = views[i]
 
@@ -60,7 +60,7 @@ class Adam(torch.optim.Optimizer):
 
     def gradient(self, loss_fn, module: nn.Module, *args):
         """(the flat gradient of the loss, the statistics) of `loss_fn(module, *args)` -> (loss, statistics): by
-        torch.autograd eager (~30% faster on a CPU), by torch.func.grad compiled or vmapped; the same numbers."""
+        torch.autograd eager and compiled, by torch.func.grad vmapped (--num-seeds; autograd cannot run there)."""
         assert module is self.module, "the gradient is in the parameters of the module the optimizer was built on"
 
         def loss_in(flat):
@@ -70,7 +70,8 @@ class Adam(torch.optim.Optimizer):
             finally:
                 self.swap(held)
 
-        if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+        untraceable = torch.compiler.is_compiling() and not getattr(torch._dynamo.config, "trace_autograd_ops", False)
+        if self.vmapped or untraceable:  # (an older torch's dynamo cannot trace torch.autograd.grad)
             return torch.func.grad(loss_in, has_aux=True)(self.flat)
         flat = self.flat.detach().requires_grad_()
         loss, aux = loss_in(flat)

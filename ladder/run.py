@@ -164,6 +164,13 @@ def check_objects(objects: dict, args) -> None:
             )
         if getattr(args, "anneal_lr", False):  # train()'s annealing would set the rate over the scheduler's
             raise UsageError("a torch.optim.lr_scheduler and --anneal-lr both set the rate: pass --no-anneal-lr")
+    kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+    dropouts = [m for v in objects.values() if isinstance(v, nn.Module) for m in v.modules() if isinstance(m, kinds)]
+    if args.num_seeds > 1 and args.compile and args.device == "cpu" and dropouts:  # docs/modifying.md#the-agent
+        raise UsageError(
+            f"--num-seeds with --compile: torch 2.13's CPU compiler uses {type(dropouts[0]).__name__}'s masks before"
+            " drawing them in the stacked graph, and training goes silently wrong; leave out --compile"
+        )
     if args.num_seeds > 1 and (bare := [k for k, v in objects.items() if torch.is_tensor(v)]):
         raise UsageError(
             f"--num-seeds: run.start({bare[0]}=...), a tensor, cannot be each seed's own in the stacked call: make it a"

@@ -256,3 +256,72 @@ def test_the_inductor_option_is_passed_only_where_torch_has_it(monkeypatch):
     monkeypatch.setattr(torch._inductor, "config", types.SimpleNamespace(fallback_random=False))  # as torch 2.11's
     assert compiled(lambda x: x + 1)(torch.ones(1)).item() == 2.0
     assert given == [{"realize_cpu_opcount_threshold": 30}, {}]
+
+
+def dropout_after_layernorm(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """The smallest loss found that torch 2.13's CPU compiler gets wrong under torch.func.grad (issue 64)."""
+    h = torch.nn.functional.layer_norm(x @ p["w1"], (64,), p["lw"], p["lb"]).tanh()
+    return (torch.nn.functional.dropout(h, 0.1, training=True) @ p["w2"]).square().mean()
+
+
+def dropout_after_layernorm_inputs() -> tuple[dict, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    p = dict(w1=torch.randn(4, 64, generator=generator), lw=torch.ones(64), lb=torch.zeros(64))
+    return p | dict(w2=torch.randn(64, 1, generator=generator)), torch.randn(32, 4, generator=generator)
+
+
+def test_torch_still_reads_a_dropout_mask_before_drawing_it():
+    """The torch bug that makes --compile take the gradient by torch.autograd.grad (ladder/compile.py): compiled on the
+    CPU, torch.func.grad of LayerNorm, tanh, then dropout draws the mask (an in-place `bernoulli_` on a buffer) after
+    the kernel that multiplies by it, so the dropout's output, and here the loss, is 0. Skips once torch fixes it."""
+    p, x = dropout_after_layernorm_inputs()
+    torch._dynamo.reset()
+    _, loss = torch.compile(torch.func.grad_and_value(dropout_after_layernorm), fullgraph=True)(p, x)
+    if loss != 0:
+        pytest.skip(f"torch {torch.__version__} draws the mask first: the compiled gradient may be torch.func.grad's")
+    assert dropout_after_layernorm(p, x) > 1.0  # eager: the loss of a real mask
+
+
+def test_the_compiled_gradient_draws_the_dropout_masks_eager_draws():
+    """The same loss through Adam.gradient, compiled by `ladder.compile.compiled`: the same mask, loss and gradient
+    as eager (torch.autograd.grad traced, dropout's masks drawn by eager's kernel)."""
+    p, x = dropout_after_layernorm_inputs()
+    module = torch.nn.Module()
+    for name, value in p.items():
+        module.register_parameter(name, torch.nn.Parameter(value.clone()))
+    adam = Adam(module)
+    loss_fn = lambda module, x: (dropout_after_layernorm(dict(module.named_parameters()), x), {})  # noqa: E731
+    torch._dynamo.reset()
+    step = compiled(lambda x: adam.gradient(loss_fn, module, x)[0])
+    torch.manual_seed(1)
+    eager = adam.gradient(loss_fn, module, x)[0]
+    torch.manual_seed(1)
+    assert_close(step(x), eager, "the compiled gradient", atol=1e-6, rtol=1e-5)
+    assert eager.norm() > 0.1
+
+
+def test_a_python_number_the_loss_reads_changed_every_iteration_trains_compiled_as_eager(in_tmp, monkeypatch):
+    """A float the loss reads, changed after every iteration (docs recommend a tensor: a resume or a CUDA graph would
+    miss it), is an input of the compiled gradient step after one recompilation: the compiled run equals eager. Before
+    (torch.func.grad compiled), every new value compiled a new graph until the limit ended the run; with --num-seeds
+    it still does (test_modifications.py::test_what_stops_compilation_ends_the_run_in_one_line)."""
+    module, schedule = import_script("ppo_cartpole_gpu"), {"ent_coef": 0.01}
+    real_loss, real_log = module.ppo_loss, module.Run.log
+
+    def loss_fn(agent, args, batch):
+        loss, stats = real_loss(agent, args, batch)
+        return loss - schedule["ent_coef"] * 100 * stats["losses/entropy"], stats
+
+    def log(self, *args, **kwargs):
+        schedule["ent_coef"] *= 0.5
+        return real_log(self, *args, **kwargs)
+
+    monkeypatch.setattr(module, "ppo_loss", loss_fn)
+    monkeypatch.setattr(module.Run, "log", log)
+    agents = []
+    for compile in (False, True):
+        schedule["ent_coef"] = 0.01
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=2):
+            agents.append(module.train(module.Args(seed=3, **dict(SMALL, total_timesteps=16 * 8 * 5), compile=compile)))
+    assert_same_agents(agents[1], agents[0], "compiled", atol=2e-4, rtol=1e-3)

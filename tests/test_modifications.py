@@ -883,8 +883,10 @@ def test_what_stops_compilation_ends_the_run_in_one_line(change, cause, in_tmp, 
     monkeypatch.setattr(module, "ppo_loss", loss_fn)
     monkeypatch.setattr(module.Run, "log", log)
     torch._dynamo.reset()
+    seeds = ["--num-seeds", "2", "--num-steps", "4", "--num-minibatches", "1", "--update-epochs", "1"]
+    seeds = seeds if change == "schedule" else []  # one seed takes the number as an input (test_compile.py)
     with torch._dynamo.config.patch(recompile_limit=2):  # the limit (8) reached sooner
-        result = call_main("ppo_cartpole_gpu", "--compile", *short_flags("ppo_cartpole_gpu"), cwd=in_tmp)
+        result = call_main("ppo_cartpole_gpu", "--compile", *seeds, *short_flags("ppo_cartpole_gpu"), cwd=in_tmp)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith(f"error: --compile: {cause}") and line.endswith("see docs/modifying.md#compiled-graphs")
