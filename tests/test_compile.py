@@ -18,6 +18,7 @@ from torch._dynamo.utils import guard_failures
 from conftest import SCRIPTS, assert_close, assert_same_agents, import_script, origin, read_json
 from ladder.compile import compiled
 from ladder.optim import Adam
+from test_optim import fixed_batch, torch_step
 
 # small but real: several episodes end and restart inside the rollouts
 SMALL = dict(num_envs=16, num_steps=8, total_timesteps=16 * 8 * 4, eval_episodes=0, progress_bar=False)
@@ -87,51 +88,6 @@ def test_a_recompilation_is_named_by_the_guard_that_failed():
     mode["clip"] = False
     f(torch.randn(3))
     assert "mode['clip']" in recompilations() and "<lambda>" in recompilations(), recompilations()
-
-
-def fixed_batch(mod, n: int = 64):
-    return mod.Batch(torch.randn(n, 4), torch.randint(0, 2, (n,)), torch.randn(n) - 0.7, torch.randn(n),
-                     torch.randn(n), torch.randn(n))  # fmt: skip
-
-
-def torch_step(agent, optimizer, loss_fn, args, batch, idx=None) -> dict:
-    """The gradient step as torch.optim takes it: backward(), clip_grad_norm_, the optimizer's step()."""
-    loss, stats = loss_fn(agent, args, batch if idx is None else type(batch)(*(x[idx] for x in batch)))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return stats
-
-
-@pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg"])
-@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
-@pytest.mark.parametrize("compile", [False, True])
-def test_the_gradient_step_is_torch_adam_with_clipping(name, weight_decay, compile):
-    """The script's `gradient_step` (ladder's Adam: the gradient in the flat parameter vector, the update written
-    out) equals loss.backward, clip_grad_norm_ and torch.optim.Adam's step (AdamW's with weight decay), eager and
-    compiled, with two param groups of their own rates, on minibatches given by index."""
-    mod = import_script(name)
-    torch.manual_seed(0)
-    args = mod.Args(max_grad_norm=0.05)  # small enough that the clipping acts
-    agent = mod.Agent(4, 2)
-    twin = copy.deepcopy(agent)
-    groups = lambda a: [{"params": a.actor.parameters()}, {"params": a.critic.parameters(), "lr": 3e-3}]
-    opt = Adam(agent, groups(agent), lr=1e-2, eps=1e-5, weight_decay=weight_decay)
-    twin_opt = torch.optim.AdamW(groups(twin), lr=1e-2, eps=1e-5, weight_decay=weight_decay)
-    loss_fn, batch = mod.ppo_loss if name == "ppo_cartpole_gpu" else mod.vpg_loss, fixed_batch(mod)
-    torch._dynamo.reset()
-    step = compiled(mod.gradient_step) if compile else mod.gradient_step
-    for _ in range(3):
-        idx = torch.randperm(len(batch.obs))[:32]
-        stats, twin_stats = (
-            step(agent, opt, loss_fn, args, batch, idx),
-            torch_step(twin, twin_opt, loss_fn, args, batch, idx),
-        )
-        for tag in stats:
-            torch.testing.assert_close(stats[tag], twin_stats[tag], atol=1e-6, rtol=1e-5)
-    assert_same_agents(agent, twin, "compiled" if compile else "resumed", atol=2e-6, rtol=1e-5)
-    assert float(opt.state["flat"]["step"]) == 3
 
 
 def test_tanh_is_the_same_compiled():

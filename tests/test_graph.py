@@ -23,8 +23,8 @@ from conftest import (
 from conftest import train_seeds as train_seeds_of
 from ladder.cuda_graph import CudaGraph
 from ladder.stacked import get, put
-from test_compile import torch_step
 from test_modifications import adaptive_penalty
+from test_optim import torch_step
 
 
 def replayed_on_the_cpu(module, monkeypatch, record=lambda self, body: body) -> None:
