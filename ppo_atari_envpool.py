@@ -1,18 +1,10 @@
-"""PPO on Atari through EnvPool 1.x (C++ emulators), with the Nature CNN.
+"""PPO on Atari through EnvPool 1.x (C++ emulators), with the Nature CNN: CleanRL's ppo_atari_envpool.py for today's
+stack (gymnasium's API, numpy 2, torch, tyro); the emulators run in EnvPool's threads, the networks on `--device`.
 
-CleanRL's ppo_atari_envpool.py for today's stack (envpool 1.x with gymnasium's API, numpy 2, torch, tyro): the
-emulators run in EnvPool's C++ thread pool, the policy and the update on `--device` (cuda when there, else the CPU).
-
-Run:
-    python ppo_atari_envpool.py                              # Breakout-v5, CleanRL's Atari defaults
-    python ppo_atari_envpool.py --env-id Pong-v5 --async-envs
-    tensorboard --logdir runs
-
-The env is EnvPool's Atari preprocessing (Mnih et al. 2015; the list: docs/ppo_atari_envpool.md), training on lives
-(`episodic_life`) and clipped rewards (`reward_clip`); the scores logged are the real game scores (see `GameStats`).
-EnvPool resets an env on the step *after* it reported done (the new game's first frame, reward 0, the action ignored):
-that step is stored but masked out of the loss, and GAE cuts its recursion at every done. The observation returned
-with done is the real last frame, so a game cut by the step limit is bootstrapped from its value.
+The env is EnvPool's Atari preprocessing (Mnih et al. 2015; docs/ppo_atari_envpool.md), training on lives and clipped
+rewards; the scores logged are the real game scores (`GameStats`). EnvPool resets an env on the step *after* done: that
+step is stored but masked out of the loss. The observation returned with done is the real last frame, so a game cut by
+the step limit is bootstrapped from its value.
 
 The update (Schulman et al. 2017; "detail N": Huang et al. 2022, "The 37 Implementation Details of PPO"):
     r_t(θ)  = π_θ(a_t|s_t) / π_θold(a_t|s_t)
@@ -52,7 +44,7 @@ from ladder.run import Run
 THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's convolutions are large
 
 
-@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
+@dataclass(frozen=True)
 class Args(RunFlags):
     # The algorithm's flags: a --resume keeps these as the checkpoint has them
     env_id: str = "Breakout-v5"
@@ -96,7 +88,6 @@ class Args(RunFlags):
     bf16: bool = False
     """the CNN trunk in bfloat16 autocast (heads and weights float32); needs AMX/AVX512-BF16 CPUs or Ampere+ GPUs"""
 
-    # The run's flags (`RunFlags`: --total-timesteps, --device, --track, --resume, ...): the defaults that differ here
     total_timesteps: int = 10_000_000
     """agent steps (4 frames each), all torchrun ranks together; CleanRL's 10M: 5-11 h on a 2-core CPU (250-540 SPS)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -111,7 +102,6 @@ class Args(RunFlags):
     """whole games played by the final policy after training, scored with the real rewards (0 skips)"""
 
     def __post_init__(self):
-        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
         batch_size = self.num_envs * self.num_steps
         rules = {
             "env_id": atari_game_rule(self.env_id),
@@ -140,8 +130,7 @@ class Args(RunFlags):
 
 # Environment ----------------------------------------------------------------------------------
 def make_env(env_id: str, num_envs: int, seed: int, batch_size: Optional[int] = None):
-    """An EnvPool Atari pool (gymnasium API) with the training settings: episodes end on a lost life
-    and rewards are clipped (`info["reward"]` keeps the raw ones). `recv` hands back `batch_size` envs."""
+    """EnvPool's Atari pool, episodes ending on a lost life, rewards clipped (`info["reward"]`: raw ones)."""
     import envpool
 
     return envpool.make(
@@ -164,8 +153,8 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Agent(nn.Module):
-    """The Nature CNN (Mnih et al. 2015) as a shared trunk, with actor and critic heads, on uint8 frames (B, 4, 84, 84)
-    scaled by 1/255 inside (the rollout stays uint8); `bf16`: the trunk in bfloat16 autocast, the heads in float32."""
+    """The Nature CNN (Mnih et al. 2015), a trunk shared by the actor and critic heads, on uint8 frames (B, 4, 84, 84);
+    `bf16`: the trunk in bfloat16 autocast, the heads in float32."""
 
     def __init__(self, num_actions: int, bf16: bool = False, channels_last: bool = False):
         super().__init__()
@@ -187,7 +176,6 @@ class Agent(nn.Module):
         self.to(memory_format=self.memory_format)
 
     def forward(self, obs: torch.Tensor):
-        """Logits and value of uint8 observations."""
         obs = obs.contiguous(memory_format=self.memory_format)
         with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(obs.float() / 255.0)
@@ -197,13 +185,12 @@ class Agent(nn.Module):
     def get_action(self, obs: torch.Tensor, greedy: bool = False):
         """An action (sampled, or the most likely with `greedy`), its log-probability and the value."""
         logits, value = self(obs)
-        gumbel = 0.0 if greedy else -torch.empty_like(logits).exponential_().log()  # Gumbel noise, -log(Exp(1))
-        action = (logits + gumbel).argmax(-1)  # Gumbel-max: the argmax samples the softmax distribution
+        gumbel = 0.0 if greedy else -torch.empty_like(logits).exponential_().log()  # Gumbel-max sampling
+        action = (logits + gumbel).argmax(-1)
         logprob = logits.log_softmax(-1).gather(-1, action.unsqueeze(-1)).squeeze(-1)
         return action, logprob, value
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor):
-        """Log-probability of `action`, entropy, and value."""
         logits, value = self(obs)
         logp = logits.log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1)
@@ -212,21 +199,21 @@ class Agent(nn.Module):
 
 # Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
-    """Every env's steps in its own column, in that env's order, and the pool's bookkeeping. Rows 0..T-1 of a column are
-    the rollout's T steps, row T the observation to bootstrap from (the next rollout's row 0); async envs come back in
-    any order, and one may run past row T while the others catch up: hence 2T+1 rows. Tensors on the device."""
+    """Every env's steps in its own column, (2T+1, N) tensors on the device, and the pool's bookkeeping. Rows 0..T-1
+    are the rollout's steps, row T the observation to bootstrap from; an async env may run past row T while the others
+    catch up, hence 2T+1 rows. `terminated`: a life lost; `valid`: False for the reset step after a done."""
 
-    obs: torch.Tensor  # (2T+1, N, 4, 84, 84) uint8, the observation each action was chosen on
-    actions: torch.Tensor  # (2T+1, N)
-    logprobs: torch.Tensor  # (2T+1, N) log π_old(a|s)
-    values: torch.Tensor  # (2T+1, N) V_old(s)
-    rewards: torch.Tensor  # (2T+1, N) the (clipped) reward of this row's action
-    terminated: torch.Tensor  # (2T+1, N) a life was lost at this step: no future to bootstrap
-    dones: torch.Tensor  # (2T+1, N) terminated or truncated: an episode ended at this step
-    valid: torch.Tensor  # (2T+1, N) False for the reset step that follows a done (its action is ignored)
+    obs: torch.Tensor  # (2T+1, N, 4, 84, 84) uint8
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    dones: torch.Tensor
+    valid: torch.Tensor
     filled: np.ndarray  # (N,) rows filled per env
     parked: np.ndarray  # (N,) envs whose last action waits for the next rollout
-    game_stats: GameStats  # the scores of the games in progress
+    game_stats: GameStats
     games: list[tuple[float, int]]  # (score, length) of the games that ended during the last rollout
 
     @staticmethod
@@ -234,36 +221,32 @@ class Rollout(NamedTuple):
         zeros = lambda *shape, dtype=torch.float32: torch.zeros(
             2 * num_steps + 1, num_envs, *shape, dtype=dtype, device=device
         )
-        flags = (zeros(dtype=torch.bool) for _ in range(3))  # terminated, dones, valid
+        flags = (zeros(dtype=torch.bool) for _ in range(3))
         tensors = (zeros(4, 84, 84, dtype=torch.uint8), zeros(dtype=torch.long), zeros(), zeros(), zeros(), *flags)
         return Rollout(*tensors, np.zeros(num_envs, dtype=np.int64), np.zeros(num_envs, bool), GameStats(num_envs), [])
 
 
 class Batch(NamedTuple):
-    """A rollout's T steps of every env, flattened, with what the loss needs. The reset steps stay in with `mask` 0,
-    and the loss's means are over the rows with `mask` 1: a batch of one size, whatever the episodes did, so that a
-    CUDA graph can hold the update."""
+    """A rollout's T steps of every env, flattened; the reset steps stay in with `mask` 0 and the loss's means skip
+    them: a batch of one size whatever the episodes did, which a CUDA graph can hold."""
 
     obs: torch.Tensor
     actions: torch.Tensor
-    logprobs: torch.Tensor  # log π_old(a|s)
+    logprobs: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
-    values: torch.Tensor  # V_old(s)
-    mask: torch.Tensor  # 1.0 for a step the agent's action drove, 0.0 for a reset step
+    values: torch.Tensor
+    mask: torch.Tensor
 
 
 @torch.inference_mode()
 def collect_rollout(agent: Agent, envs, rollout: Rollout, env_batch: int) -> int:
-    """Fill every env's column of `rollout` up to row T with the current policy; return the steps emulated.
-
-    EnvPool hands back `env_batch` envs per `recv` (all of them in sync mode), in any order. A step's reward and flags
-    arrive with the next observation, so they go to the env's previous row. An env that has its T+1 rows is parked (its
-    last action waits for the next rollout) as long as `env_batch` envs stay in flight for EnvPool to fill a batch; the
-    rows an env still runs past T are kept for the next rollout."""
+    """Fill every env's column of `rollout` up to row T with the current policy; return the steps emulated. EnvPool
+    hands back `env_batch` envs per `recv`, in any order; an env with its T+1 rows is parked (its action kept for the
+    next rollout) while `env_batch` others stay in flight, and the rows an env runs past T go on to the next rollout."""
     T = len(rollout.obs) // 2
     filled, parked, device = rollout.filled, rollout.parked, rollout.obs.device
-    if filled.min() > T:  # the last rollout's rows past T become this one's first rows
+    if filled.min() > T:
         carry_over(agent, rollout)
     rollout.games.clear()
     if parked.any():
@@ -304,16 +287,14 @@ def collect_rollout(agent: Agent, envs, rollout: Rollout, env_batch: int) -> int
         # an env that has just reported done spends its next step resetting, whatever the action
         rollout.valid[row_t, ids_t] = torch.from_numpy(~done).to(device)
         filled[ids] += 1
-        env_steps += int(prev.sum())  # steps emulated; the first recv after the reset is none
+        env_steps += int(prev.sum())
     return env_steps
 
 
 def carry_over(agent: Agent, rollout: Rollout) -> None:
-    """Move each env's rows past T (row T, and the rows an async env ran ahead) to the top of its column,
-    with the log-probability and value of the current policy: their actions were chosen before the last
-    update (the action stays: the env has it), and the next update's ratio must start at 1 on them too."""
+    """Each env's rows past T to the top of its column, valued by the current policy (the next ratio starts at 1)."""
     T = len(rollout.obs) // 2
-    for buf in rollout[:8]:  # the (2T+1, N) tensors
+    for buf in rollout[:8]:
         buf[: T + 1] = buf[T:].clone()
     rollout.filled[:] -= T
     rows, ids = torch.from_numpy(np.arange(T + 1)[:, None] < rollout.filled).nonzero(as_tuple=True)
@@ -335,13 +316,11 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma: float, g
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean of `x` over the rows where `mask` is 1 (0 when there are none)."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def ppo_loss(agent: Agent, args: Args, batch: Batch):
-    """Clipped-surrogate PPO loss on a minibatch, its means over the rows `batch.mask` keeps; returns (loss,
-    statistics keyed by TensorBoard tag)."""
+    """Clipped-surrogate PPO loss, its means over the rows `batch.mask` keeps; returns (loss, statistics)."""
     newlogprob, entropy, newvalue = agent.evaluate(batch.obs, batch.actions)
     logratio = newlogprob - batch.logprobs
     ratio = logratio.exp()
@@ -374,10 +353,7 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
-    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
-    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
-    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
     grad = mean_over_ranks(grad)  # data parallel under torchrun
@@ -386,17 +362,14 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var[R - V] / Var[R] over the rows `mask` keeps, the share of the returns' variance the critic explains;
-    NaN when the returns are constant (as in CleanRL), where the ratio means nothing."""
-    var = lambda x: masked_mean((x - masked_mean(x, mask)).square(), mask)  # noqa: E731
+    """1 - Var[R - V] / Var[R] over the rows `mask` keeps; NaN (as CleanRL) for constant returns."""
+    var = lambda x: masked_mean((x - masked_mean(x, mask)).square(), mask)
     var_returns = var(returns)
     return torch.where(var_returns == 0, torch.nan, 1 - var(returns - values) / var_returns)
 
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a gradient `step(batch, idx)` on each,
-    ending early once the approximate KL exceeds `target-kl`. Returns the mean of each loss statistic and the
-    critic's explained variance."""
+    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a `step(batch, idx)` on each."""
     history = []
     for _ in range(args.update_epochs):
         shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
@@ -410,28 +383,26 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 
 
 def train(args: Args) -> Agent:
-    """Train PPO on the `--env-id` game and return the agent. `Run` writes the outputs, also when an exception ends
-    the run."""
+    """Train PPO on the `--env-id` game and return the agent."""
     device, T, N = torch.device(args.device), args.num_steps, args.num_envs
     env_batch = N // 2 if args.async_envs else N  # async: EnvPool emulates half the envs while the policy acts
-    with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
+    with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         envs = make_env(args.env_id, N, args.seed + run.rank * N, batch_size=env_batch)  # env i gets seed + i
         torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
-        agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)  # rank 0's, see run.start
+        agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)
         if args.compile:  # compile the forward pass only, so the weights keep their plain names
             agent.forward = torch.compile(agent.forward)
         optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-        initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
+        initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
         rollout = Rollout.empty(T, N, device)
         envs.async_reset()
-        # with --resume: agent, optimizer, RNGs and counters as the checkpoint left them (EnvPool's games start anew;
-        # your own state goes in by name: a tensor changed in place, or an object with a state_dict())
+        # --resume: all as the checkpoint left it but EnvPool's games, which start anew (docs/modifying.md)
         run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
 
-        def learn(tensors):  # GAE, the batch and the update on the rollout's tensors (EnvPool steps on the host)
+        def learn(tensors):
             obs, actions, logprobs, values, rewards, terminated, dones, valid = (x[: T + 1] for x in tensors)
             # rows 0..T-1 are complete steps; row T holds each env's next observation and its value
             advantages, returns = compute_gae(
@@ -444,11 +415,11 @@ def train(args: Args) -> Agent:
 
         if run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             learn = CudaGraph(learn, run)
-        for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
+        for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             env_steps = collect_rollout(agent, envs, rollout, env_batch)
-            stats = learn(rollout[:8])  # its tensors; the host's bookkeeping (rows filled, games' scores) stays out
+            stats = learn(rollout[:8])
             if run.log(env_steps, stats, finished_episodes(rollout), rollout):  # True once the target is reached
                 break
     return agent
@@ -456,8 +427,7 @@ def train(args: Args) -> Agent:
 
 # What train() and the run call: game ids, game scores, evaluation, videos
 def atari_game_rule(env_id: str) -> tuple[bool, str]:
-    """Whether EnvPool has this Atari game, and the rule with the game meant by a misspelt id (UsageError when envpool
-    is not installed)."""
+    """Whether EnvPool has this Atari game, and the rule, naming the game a misspelt id meant."""
     try:
         import envpool
     except ImportError:
@@ -470,19 +440,13 @@ def atari_game_rule(env_id: str) -> tuple[bool, str]:
 
 
 class GameStats:
-    """Real game scores: the unclipped rewards summed over all lives of a game.
-
-    With `episodic_life` the agent's episodes end at every lost life, and with `reward_clip` its
-    rewards are signs; neither is the game's score. EnvPool reports the raw reward in
-    `info["reward"]` and the real end of a game in `info["terminated"]` (1 only when the last life
-    is lost; `lives` is no use, Pong has none) or `truncated` (the step limit).
-    """
+    """Real game scores, the raw rewards (`info["reward"]`) over all lives (training's episodes end at every life), a
+    game ending with `info["terminated"]` (the last life; Pong has no `lives`) or `truncated`."""
 
     def __init__(self, num_envs: int):
         self.scores = np.zeros(num_envs, dtype=np.float64)
 
     def update(self, env_ids, raw_rewards, game_over, elapsed_steps) -> list[tuple[float, int]]:
-        """Add one step's raw rewards for `env_ids`; return (score, length) of each game that ended."""
         self.scores[env_ids] += raw_rewards
         ended = np.asarray(env_ids)[np.asarray(game_over, dtype=bool)]
         lengths = np.asarray(elapsed_steps)[np.asarray(game_over, dtype=bool)]
@@ -492,27 +456,19 @@ class GameStats:
 
 
 def game_over(info: dict, truncated: np.ndarray) -> np.ndarray:
-    """Which envs' games ended at this step: the last life lost, or the step limit."""
     return (info["terminated"] == 1) | truncated
 
 
 def finished_episodes(rollout: Rollout):
-    """(ended, return, length), tensors of one shape: the games that ended during `rollout`, with their real scores
-    (unclipped rewards over all lives, see `GameStats`)."""
+    """(ended, return, length), tensors of one shape: the games that ended during `rollout`, with their real scores."""
     games = torch.tensor(rollout.games, dtype=torch.float32, device=rollout.obs.device).view(-1, 2)
     return torch.ones(len(games), dtype=torch.bool, device=rollout.obs.device), games[:, 0], games[:, 1]
 
 
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str]) -> list[float]:
-    """Real score of one whole game in each of `eval-episodes` fresh envs under the sampling policy, drawing from its
-    own seeded random stream (so --eval-only on the saved model plays the same games); with a `video` path, a grid
-    video there of (up to 16 of) the games at their real speed, 15 agent steps (60 frames) a second, each held on its
-    last frame once over.
-
-    The envs lose lives as in training: after each lost life EnvPool's reset presses FIRE, which the agent never
-    learned to do (without it Breakout waits for FIRE until the 27000-step limit). A game is over when its last life
-    is lost or at the step limit; its score is the raw rewards' sum.
-    """
+    """Real score of one whole game in each of `eval-episodes` fresh envs under the sampling policy, on a seeded random
+    stream of its own (--eval-only of the saved model plays the same games); `video`: filmed, up to 16. The envs lose
+    lives as in training: EnvPool's reset then presses FIRE, which the agent never learned to."""
     n, device = args.eval_episodes, next(agent.parameters()).device
     envs, game_stats, scores, last = make_env(args.env_id, n, args.seed + 1), GameStats(n), np.full(n, np.nan), None
     obs, info = envs.reset()
@@ -549,7 +505,6 @@ def video_writer(path: str):
 
 
 def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
-    """A grid video of up to 16 envs' frames from `rollout`'s T steps at `path`; returns the path."""
     with video_writer(path) as writer:
         for frame in grid_video(rollout.obs[: len(rollout.obs) // 2]):
             writer.append_data(frame)
@@ -557,8 +512,7 @@ def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) ->
 
 
 def grid_video(frames: torch.Tensor) -> np.ndarray:
-    """RGB frames (T, rows*84, cols*84, 3) uint8 of a rollout of stacked observations (T, N, 4, 84, 84): up to 16
-    envs tiled as squarely as they fit without a wasted row (8 envs: 2x4, 9: 3x3, 16: 4x4)."""
+    """RGB frames (T, rows*84, cols*84, 3) of stacked observations (T, N, 4, 84, 84), up to 16 envs tiled squarely."""
     frames = frames[:, :16, -1]  # the newest frame of each stack
     t, n, h, w = frames.shape
     rows = math.isqrt(n)
@@ -581,7 +535,6 @@ def has_fast_bf16(device: str) -> bool:
 
 
 def main() -> None:
-    """`python ppo_atari_envpool.py [flags]`: the flags parsed and checked, then `train` (ladder/cli.py)."""
     run_command_line(Args, train, THREADED_FROM_ENVS)
 
 

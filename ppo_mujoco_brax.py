@@ -1,11 +1,5 @@
-"""PPO for continuous control on Brax physics (JAX), with a torch policy and zero-copy DLPack.
-
-Brax steps thousands of MuJoCo-style robots in jit-compiled JAX; the policy, rollout buffer and update are torch.
-
-Run:
-    python ppo_mujoco_brax.py                                     # ant, spring backend, 2048 envs
-    python ppo_mujoco_brax.py --env-id hopper --capture-video     # brax's HTML viewer (+ MP4 where it can render)
-    tensorboard --logdir runs
+"""PPO for continuous control on Brax physics (JAX), with a torch policy and zero-copy DLPack: Brax steps thousands of
+MuJoCo-style robots in jit-compiled JAX; the policy, rollout buffer and update are torch.
 
 The update (Schulman et al. 2017; CleanRL's continuous-action details), with Brax's PPO defaults but CleanRL's γ:
     π_θ(a|s) = N(μ_θ(s), diag(exp(log σ)²)),  log σ a learned state-independent vector
@@ -54,7 +48,7 @@ NormObs = Literal["auto", "on", "off"]
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
-@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
+@dataclass(frozen=True)
 class Args(RunFlags):
     # The algorithm's flags: a --resume keeps these as the checkpoint has them
     env_id: EnvId = "ant"
@@ -100,7 +94,6 @@ class Args(RunFlags):
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this (None: never)"""
 
-    # The run's flags (`RunFlags`: --total-timesteps, --device, --track, --resume, ...): the defaults that differ here
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
     video_interval: int = 0
@@ -111,7 +104,6 @@ class Args(RunFlags):
     """episodes of the deterministic (mean-action) policy evaluated after training, on as many new envs (0 skips)"""
 
     def __post_init__(self):
-        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
         kinds = {"env_id": EnvId, "backend": Backend, "norm_obs": NormObs}
         rules = {name: (getattr(self, name) in get_args(k), f"one of {get_args(k)}") for name, k in kinds.items()}
         positive = ("episode_length", "num_envs", "num_steps", "update_epochs", "num_seeds")
@@ -139,8 +131,8 @@ class Args(RunFlags):
 # Environment ----------------------------------------------------------------------------------
 @functools.cache
 def jitted_env(env_id: str, backend: str, num_envs: int, episode_length: int):
-    """The Brax env and jit(vmap(...)) of its reset and of a step with our auto-reset (Brax's AutoResetWrapper restarts
-    every episode from the first reset's state and drops the final observation). Cached: no second compilation."""
+    """jit(vmap(...)) of the Brax env's reset and of a step with our auto-reset (Brax's restarts from the first reset's
+    state and drops the final observation); cached: compiled once."""
     jax, envs = import_brax()
     jnp, env = jax.numpy, envs.get_environment(env_id, backend=backend)
 
@@ -197,14 +189,12 @@ class BraxVecEnv:
         return self.jax.tree.map(self.to_torch, out)  # (obs, reward, terminated, truncated, info)
 
     def state_dict(self) -> dict:
-        """The physics states, episode counters and random key as CPU tensors (the uint32 key as int64, which torch
-        saves), for a checkpoint to go on exactly from."""
+        """What a checkpoint needs to go on exactly, as CPU tensors (the uint32 key as int64, which torch saves)."""
         leaves = self.jax.tree.leaves((self.state, self._length, self._return, self.key))
         as_saved = lambda x: np.asarray(x).astype(np.int64 if x.dtype == np.uint32 else x.dtype)
         return {"leaves": [torch.from_numpy(as_saved(x)) for x in leaves]}
 
     def load_state_dict(self, saved: dict) -> torch.Tensor:
-        """The envs as `state_dict` saved them, each array on the device JAX has it on; returns their observation."""
         old, tree = self.jax.tree.flatten((self.state, self._length, self._return, self.key))
         put = lambda t, x: self.jax.device_put(t.numpy().astype(x.dtype), next(iter(x.devices())))
         self.state, self._length, self._return, self.key = self.jax.tree.unflatten(tree, map(put, saved["leaves"], old))
@@ -227,14 +217,13 @@ class Tanh(nn.Module):
 
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
-    """A 64-64 tanh network whose output layer starts at scale `out_std`."""
     hidden = [layer_init(nn.Linear(in_dim, 64)), Tanh(), layer_init(nn.Linear(64, 64)), Tanh()]
     return nn.Sequential(*hidden, layer_init(nn.Linear(64, out_dim), std=out_std))
 
 
 class Agent(nn.Module):
-    """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, plus the observation statistics
-    (`RunningMeanStd`, with the normalisers below `train`). The networks take normalised observations: `normalize`."""
+    """Separate 64-64 tanh actor (Gaussian mean, state-independent log-std) and critic, on observations `normalize`d by
+    running statistics (`RunningMeanStd`, below `train`)."""
 
     def __init__(self, obs_dim: int, action_dim: int, norm_obs: bool = True):
         super().__init__()
@@ -263,29 +252,29 @@ class Agent(nn.Module):
 
 # Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
-    """T steps of N envs, preallocated on the device."""
+    """T steps of N envs, (T, N) each or (T, N, dim), on the device: `raw_obs` as the envs returned them, `obs` and
+    `final_obs` (s'_t before any auto-reset) normalised; `terminated`: no future to bootstrap; `dones`: an episode
+    ended, its return in `episode_return`; `rewards` scaled with --norm-reward."""
 
-    raw_obs: torch.Tensor  # (T, N, obs_dim) the observations as the envs returned them
-    obs: torch.Tensor  # (T, N, obs_dim) the same, normalised: what each action was chosen on
-    actions: torch.Tensor  # (T, N, action_dim)
-    rewards: torch.Tensor  # (T, N) scaled with --norm-reward
-    terminated: torch.Tensor  # (T, N) the episode failed at this step: no future to bootstrap
-    dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
-    final_obs: torch.Tensor  # (T, N, obs_dim) s'_t, the real next state (before any auto-reset), normalised
-    episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
-    episode_length: torch.Tensor  # (T, N)
+    raw_obs: torch.Tensor
+    obs: torch.Tensor
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    dones: torch.Tensor
+    final_obs: torch.Tensor
+    episode_return: torch.Tensor
+    episode_length: torch.Tensor
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, obs_dim: int, action_dim: int, device: torch.device) -> Rollout:
         zeros = lambda *shape, dtype=torch.float32: torch.zeros(num_steps, num_envs, *shape, dtype=dtype, device=device)
-        shapes = dict(raw_obs=(obs_dim,), obs=(obs_dim,), actions=(action_dim,), final_obs=(obs_dim,))  # others (T, N)
+        shapes = dict(raw_obs=(obs_dim,), obs=(obs_dim,), actions=(action_dim,), final_obs=(obs_dim,))
         dtypes = dict(terminated=torch.bool, dones=torch.bool, episode_length=torch.int32)
         return Rollout(*(zeros(*shapes.get(f, ()), dtype=dtypes.get(f, torch.float32)) for f in Rollout._fields))
 
 
 class Batch(NamedTuple):
-    """A rollout flattened to T*N samples, with what the loss needs."""
-
     obs: torch.Tensor
     actions: torch.Tensor
     logprobs: torch.Tensor  # log π_old(a|s)
@@ -296,8 +285,7 @@ class Batch(NamedTuple):
 
 @torch.no_grad()
 def collect_rollout(agent: Agent, envs: BraxVecEnv, raw_obs: torch.Tensor, rollout: Rollout, scale_reward=None):
-    """Step every env T times with the current policy, filling `rollout`; return the next raw observation. As
-    rewards by `scale_reward` (a RewardScaler), observations are normalised by the earlier rollouts' statistics."""
+    """Fill `rollout`; return the next raw observation (normalised by earlier rollouts' statistics)."""
     for t in range(len(rollout.obs)):
         rollout.raw_obs[t] = raw_obs
         rollout.obs[t] = obs = agent.normalize(raw_obs)
@@ -370,10 +358,7 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
-    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
-    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
-    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
     grad = mean_over_ranks(grad)  # data parallel under torchrun
@@ -388,11 +373,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Ten
 
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a gradient `step(batch, idx)` on each,
-    ending early once the approximate KL exceeds `target-kl`; returns the mean loss statistics, explained variance."""
+    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a `step(batch, idx)` on each."""
     history = []
     for _ in range(args.update_epochs):
-        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()  # (vmap: one sort, K seeds)
+        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
         for idx in shuffled.tensor_split(args.num_minibatches):
             history.append(step(batch, idx))
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
@@ -403,10 +387,9 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 
 
 def train(args: Args) -> Agent:
-    """Train PPO on the `--env-id` Brax env and return the agent; `Run` writes the outputs, also when an exception
-    ends the run. Building the envs compiles their reset and step (set-up time, not counted in SPS)."""
+    """Train PPO on the `--env-id` Brax env and return the agent (building the envs compiles: set-up time)."""
     device, T, N = torch.device(args.device), args.num_steps, args.num_envs
-    with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
+    with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
@@ -414,17 +397,15 @@ def train(args: Args) -> Agent:
             if seed == args.seed:
                 run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
             envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, seed + run.rank)
-            agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)  # rank 0's, see run.start
+            agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
+            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
             scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
-            # with --resume: agent and normaliser, optimizer, reward scaler, envs, RNGs and counters as the
-            # checkpoint left them (your own state goes in by name too: a tensor changed in place, or an object with
-            # a state_dict()). The last seed's: the K seeds' state stacked [K, ...] in its objects
+            # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             total_steps = num_iterations * T * N * run.world_size
             raw_obs = run.start(agent, envs, optimizer, total_steps, envs.reset()[0], reward_scaler=scale_reward)
-        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)  # --num-seeds K: [K, ...]
-        phases = (make_batch, gradient_step)  # --compile: each one graph (ladder/compile.py)
+        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)
+        phases = (make_batch, gradient_step)
         prepare, step = map(compiled, phases) if args.compile else phases
 
         def learn(rollout):  # the batch and the update (the envs step in JAX: not in it); `agent` holds its state
@@ -436,7 +417,7 @@ def train(args: Args) -> Agent:
             learn = run.stacked(learn)
         elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             learn = CudaGraph(learn, run)
-        for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
+        for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             # --num-seeds K: the seeds' JAX envs step in turn, each seed's own objects (JAX is not vmapped by torch)
@@ -451,8 +432,9 @@ def train(args: Args) -> Agent:
 def import_brax():
     """jax and brax.envs, imported on first use (not on importing this script), after setting the variables read."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes most of a GPU, leaving torch none
-    if ctypes.util.find_library("EGL"):  # read on MuJoCo's import: offscreen OpenGL for the MP4 ("egl" where there
-        os.environ.setdefault("MUJOCO_GL", "egl")  # is no libEGL fails the import; the video then notes the lack)
+    # read on MuJoCo's import: offscreen OpenGL for the MP4 ("egl" without libEGL fails the import)
+    if ctypes.util.find_library("EGL"):
+        os.environ.setdefault("MUJOCO_GL", "egl")
     # hushed: MuJoCo's "Failed to import warp" (an optional backend), Brax's and JAXopt's "no longer maintained"
     warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
     warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)
@@ -469,8 +451,7 @@ def import_brax():
 
 
 def normalises_obs(args: Args) -> bool:
-    """--norm-obs resolved: `auto` is off on the pendulums and hopper, where the statistics move a lot as the policy
-    improves, shifting the inputs of a policy that PPO's clipping keeps near the last (docs/ppo_mujoco_brax.md)."""
+    """--norm-obs resolved: `auto` is off where it learned worse, the pendulums and hopper"""
     raw_obs_envs = ("inverted_pendulum", "inverted_double_pendulum", "hopper")
     return args.norm_obs == "on" or (args.norm_obs == "auto" and args.env_id not in raw_obs_envs)
 
@@ -528,8 +509,7 @@ def finished_episodes(rollout: Rollout):
 
 
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Optional[int] = None) -> list[float]:
-    """The return of one episode in each of `eval-episodes` (or `num_envs`) new envs under the mean action (seeded
-    --seed + 1, so --eval-only on the saved model plays the same episodes); with a `video` path, the first filmed."""
+    """One episode's return in each of `eval-episodes` (or `num_envs`) new envs, mean action; `video`: one filmed."""
     envs = BraxVecEnv(
         args.env_id, args.backend, num_envs or args.eval_episodes, args.episode_length, envs.device, args.seed + 1
     )
@@ -549,8 +529,7 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Opt
 
 
 def record_video(agent: Agent, envs, rollout: Optional[Rollout], args: Args, path: str) -> Optional[str]:
-    """One episode under the mean action on a new 1-env copy of the env (training's `envs` go on undisturbed), filmed
-    at `path` (see `film`); returns the MP4's path, or None where no offscreen renderer works."""
+    """One mean-action episode on a new 1-env copy, filmed at `path`; None where no offscreen renderer works."""
     evaluate(agent, envs, args, path, num_envs=1)
     return path if os.path.exists(path) else None
 
@@ -577,7 +556,6 @@ def film(envs: BraxVecEnv, states: list, path: str) -> None:
 
 
 def main() -> None:
-    """`python ppo_mujoco_brax.py [flags]`: the flags parsed and checked, then `train` (ladder/cli.py)."""
     run_command_line(Args, train, THREADED_FROM_ENVS)
 
 

@@ -1,26 +1,14 @@
-"""REINFORCE (Williams 1992) with reward-to-go returns on the tensor CartPole.
-
-The first rung of the ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py): a policy network alone, pushed towards
-the actions that were followed by high returns. The environment, rollout and update all live on one device
-(`--device cuda` when a GPU is there, else the CPU).
-
-Run:
-    python reinforce.py                             # defaults: solves CartPole on a laptop CPU
-    python reinforce.py --no-normalize-returns      # raw returns: watch the variance
-    tensorboard --logdir runs
+"""REINFORCE (Williams 1992) with reward-to-go returns on the tensor CartPole, all on `--device`: the first rung of the
+ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py), a policy network alone ("detail N": Huang et al. 2022).
 
 The update, one gradient step per rollout:
     G_t  = r_t + γ G_{t+1} (1 - done_t)             the discounted reward-to-go of step t
     L    = -E[ log π_θ(a_t|s_t) Ĝ_t ] - c_ent H[π_θ]
-where Ĝ is G normalised to zero mean and unit std over the batch (`--normalize-returns`), a crude baseline that
-vpg.py replaces with a learned one.
+where Ĝ is G normalised over the batch (`--normalize-returns`), a crude baseline that vpg.py learns instead.
 
-A return needs the rest of its episode. Every rollout therefore starts with a reset of all envs and runs until each env
-has finished an episode (or `--num-steps` steps, which by default is the 500-step limit, so that always happens). The
-batch is each env's first episode of the rollout: an unbiased sample of the policy's episodes. (Also keeping the later
-episodes that happen to end before the slowest env's first one would favour short episodes.) There is no critic to
-bootstrap with, so an episode cut at 500 steps counts with the return it has. Comments marked "detail N" refer to
-Huang et al. 2022's PPO implementation details, as in ppo_cartpole_gpu.py.
+A return needs the rest of its episode: each rollout starts with a reset and runs until every env has finished an
+episode (at most `--num-steps`); the batch is each env's first one, an unbiased sample (later ones that end early would
+favour short episodes). With no critic to bootstrap, an episode cut at 500 steps counts with its return so far.
 """
 
 from __future__ import annotations
@@ -47,7 +35,7 @@ from ladder.run import Run
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
-@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
+@dataclass(frozen=True)
 class Args(RunFlags):
     # The algorithm's flags: a --resume keeps these as the checkpoint has them
     env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
@@ -59,8 +47,7 @@ class Args(RunFlags):
     num_envs: int = 128
     """parallel environments (per process under torchrun)"""
     num_steps: int = 500
-    """most steps per environment per rollout, at least the episode limit (a rollout ends early
-    once every env has finished an episode)"""
+    """steps per env per rollout at most, at least the episode limit (it ends once each env finished an episode)"""
     anneal_lr: bool = True
     """anneal the learning rate linearly to 0 over the run"""
     gamma: float = 0.99
@@ -72,7 +59,6 @@ class Args(RunFlags):
     max_grad_norm: float = 0.5
     """global gradient-norm clipping"""
 
-    # The run's flags (`RunFlags`: --total-timesteps, --device, --track, --resume, ...): the defaults that differ here
     target_return: Optional[float] = 500.0
     """stop once the mean return of the last 100 episodes reaches this (None: never; the shaped envs never reach 500)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -81,7 +67,6 @@ class Args(RunFlags):
     """iterations between checkpoints to <run folder>/checkpoint.pt (0: only at the end, on Ctrl-C or SIGTERM)"""
 
     def __post_init__(self):
-        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
         positive = ("num_envs", "num_steps", "total_timesteps", "num_seeds")
         rules = {name: (getattr(self, name) > 0, "positive") for name in positive}
         rules |= {
@@ -95,9 +80,8 @@ class Args(RunFlags):
 
 # Environment ----------------------------------------------------------------------------------
 class CartPole:
-    """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`. Its public attributes and
-    methods (reward_threshold None: no "solved" level) are the interface of every env the trainer takes (probes too);
-    without state_dict() and load_state_dict() a resumed run's episodes start anew."""
+    """Gymnasium's CartPole-v1 for `num_envs` envs in float32 torch ops; its public attributes and methods are what
+    `train` asks of any env (docs/modifying.md#the-environment)."""
 
     gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
     length, tau = 0.5, 0.02  # half the pole's length; seconds between state updates
@@ -142,8 +126,7 @@ class CartPole:
         denominator = self.length * (4.0 / 3.0 - self.masspole / self.total_mass * costheta.square())
         thetaacc = (self.gravity * sintheta - costheta * temp) / denominator
         xacc = torch.addcmul(temp, thetaacc, costheta, value=-self.polemass_length / self.total_mass)
-        # explicit Euler, as gymnasium's default kinematics_integrator="euler". The state is kept feature-major ((4, N)
-        # in memory, seen as (N, 4)) so x, x_dot, ... are contiguous rows: faster elementwise ops, ~9x cheaper stacking.
+        # explicit Euler as gymnasium; the state kept feature-major ((4, N) seen as (N, 4)): ~9x cheaper stacking
         derivatives = torch.stack((x_dot, xacc, theta_dot, thetaacc))
         self.state = torch.add(self.state.T, derivatives, alpha=self.tau).T
         terminated = self.terminated()
@@ -167,8 +150,7 @@ class CartPole:
         self.episode_length = self.episode_length.masked_fill(done, 0)
 
     def state_dict(self) -> dict:
-        """The states, episode counters and generator, on the CPU (under NCCL a CUDA tensor of rank r would be rebuilt
-        in rank 0 on cuda:r), for a checkpoint to go on exactly from."""
+        """What a checkpoint needs to go on exactly, on the CPU (NCCL would rebuild rank r's CUDA tensors on cuda:r)."""
         generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
         seed = torch.randint(2**62, (), device=self.device, generator=self.generator)
         self.generator.set_state(generator)
@@ -176,7 +158,6 @@ class CartPole:
         return {k: v.cpu() for k, v in saved.items()} | {"generator": generator, "seed": seed.cpu()}
 
     def load_state_dict(self, saved: dict) -> torch.Tensor:
-        """The envs as `state_dict` saved them; returns their observation (here the state itself)."""
         keys = ("state", "episode_return", "episode_length")
         self.state, self.episode_return, self.episode_length = (saved[k].to(self.device) for k in keys)
         if len(saved["generator"]) == len(self.generator.get_state()):
@@ -202,7 +183,6 @@ class Tanh(nn.Module):
 
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
-    """A 64-64 tanh network whose output layer starts at scale `out_std`."""
     hidden = [layer_init(nn.Linear(in_dim, 64)), Tanh(), layer_init(nn.Linear(64, 64)), Tanh()]
     return nn.Sequential(*hidden, layer_init(nn.Linear(64, out_dim), std=out_std))
 
@@ -220,7 +200,6 @@ class Agent(nn.Module):
         return logits.argmax(-1) if gumbel is None else (logits + gumbel).argmax(-1)
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor):
-        """Log-probability of `action` and entropy."""
         logp = self.actor(obs).log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1)
         return logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), entropy
@@ -228,30 +207,32 @@ class Agent(nn.Module):
 
 # Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
-    """T steps of N envs, preallocated on the device (detail 1: one vectorised batch of envs)."""
+    """T steps of N envs, (T, N) or (T, N, obs_dim) each, on the device (detail 1): `final_obs` is s'_t before any
+    auto-reset; `terminated`: no future to bootstrap; `dones`: an episode ended, its return in `episode_return`."""
 
-    obs: torch.Tensor  # (T, N, obs_dim) the observation each action was chosen on
-    actions: torch.Tensor  # (T, N)
-    rewards: torch.Tensor  # (T, N)
-    terminated: torch.Tensor  # (T, N) the episode failed at this step: no future to bootstrap
-    dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
-    final_obs: torch.Tensor  # (T, N, obs_dim) s'_t, the real next state (before any auto-reset)
-    episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
-    episode_length: torch.Tensor  # (T, N)
+    obs: torch.Tensor
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    dones: torch.Tensor
+    final_obs: torch.Tensor
+    episode_return: torch.Tensor
+    episode_length: torch.Tensor
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, obs_dim: int, device: torch.device) -> Rollout:
         zeros = lambda *shape, dtype=torch.float32: torch.zeros(num_steps, num_envs, *shape, dtype=dtype, device=device)
-        shapes = dict(obs=(obs_dim,), final_obs=(obs_dim,))  # the others (T, N)
+        shapes = dict(obs=(obs_dim,), final_obs=(obs_dim,))
         dtypes = dict(actions=torch.long, terminated=torch.bool, dones=torch.bool, episode_length=torch.int32)
         return Rollout(*(zeros(*shapes.get(f, ()), dtype=dtypes.get(f, torch.float32)) for f in Rollout._fields))
 
 
 class RolloutNoise(NamedTuple):
-    """A rollout's random numbers, drawn before it: `collect_rollout` is then pure tensor code, one compiled graph."""
+    """A rollout's random numbers, drawn before it so that `collect_rollout` is pure tensor code: Gumbel noise
+    (T, N, num_actions) to sample the actions, and (T, N, obs_dim) where an env restarts if its episode ends at t."""
 
-    gumbel: torch.Tensor  # (T, N, num_actions) Gumbel noise, -log(Exp(1)), for sampling the actions
-    initial_states: torch.Tensor  # (T, N, obs_dim) where an env restarts if its episode ends at step t
+    gumbel: torch.Tensor
+    initial_states: torch.Tensor
 
     @staticmethod
     def draw(envs, num_steps: int) -> RolloutNoise:
@@ -261,17 +242,15 @@ class RolloutNoise(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """A rollout's T*N transitions with what the loss needs; `first` marks those of each env's first episode, the
-    ones the loss takes (a mask keeps the batch one shape: compiled or vmapped over seeds, whatever the episodes)."""
+    """A rollout's T*N steps; `first` (1.0 or 0.0) marks each env's first episode, the loss's: one shape, compiled."""
 
     obs: torch.Tensor
     actions: torch.Tensor
     returns: torch.Tensor  # G_t
-    first: torch.Tensor  # 1.0 for a step of its env's first episode, else 0.0
+    first: torch.Tensor
 
 
 def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noise: RolloutNoise) -> torch.Tensor:
-    """Step every env T times with the current policy, filling `rollout`; return the next observation."""
     with torch.no_grad():
         for t in range(len(rollout.obs)):
             rollout.obs[t] = obs
@@ -284,10 +263,8 @@ def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noi
 
 
 def collect_episodes(collect, run, agent: Agent, envs, storage: Rollout) -> int:
-    """Reset every env, then step them all in chunks of 10 steps (`collect`: `collect_rollout`, compiled with --compile)
-    until each env has finished an episode (at most T steps), filling the first rows of `storage`; return the number of
-    steps taken. (`terminated` and `final_obs` go unused, filled to keep `collect_rollout` as in the other two.)
-    --num-seeds K: `storage` is [K, T, ...], the chunks go on until every seed's envs have finished an episode."""
+    """Reset every env, then step them all in chunks of 10 steps (`collect`) until each env (of every seed) has finished
+    an episode, at most T steps, filling the first rows of `storage`; return the number of steps taken."""
     time = storage.dones.dim() - 2  # the steps' dimension: 0, or 1 after --num-seeds K's seeds
     obs = run.each(fresh_episodes, envs)  # each env's first episode is then complete within the rollout
     for start in range(0, storage.dones.shape[time], 10):
@@ -304,8 +281,7 @@ def fresh_episodes(envs) -> torch.Tensor:
 
 
 def compute_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Discounted reward-to-go over a (T, N) rollout: G_t = r_t + gamma * G_{t+1} * (1 - done_t). `dones[t]` ends an
-    episode at step t, so no reward of the next episode leaks into G_t."""
+    """G_t = r_t + gamma * G_{t+1} * (1 - done_t) over (T, N): no reward of the next episode leaks into G_t."""
     returns = torch.empty_like(rewards)
     running = torch.zeros_like(rewards[0])
     for t in reversed(range(rewards.shape[0])):
@@ -315,17 +291,14 @@ def compute_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: float) ->
 
 
 def first_episodes(dones: torch.Tensor) -> torch.Tensor:
-    """(T, N) mask of the steps of each env's first episode in a rollout that starts with a reset, its last step
-    included: the steps no episode end precedes. An env that finished no episode (possible only with `num-steps` below
-    a custom env's episode limit) has no complete return: none of its steps are in it."""
+    """(T, N) mask of each env's first episode in a rollout that starts with a reset (none where none ended)."""
     return (dones.cumsum(0) - dones.int() == 0) & dones.any(0)
 
 
 def reinforce_loss(agent: Agent, args: Args, batch: Batch):
-    """REINFORCE loss -mean(log pi(a|s) * G) over complete episodes (the steps `batch.first` marks); returns (loss,
-    stats keyed by TensorBoard tag)."""
+    """-mean(log pi(a|s) * G) over complete episodes (the steps `batch.first` marks); returns (loss, stats)."""
     logprob, entropy = agent(batch.obs, batch.actions)
-    mean_of = lambda x: (batch.first * x).sum() / batch.first.sum()  # over the first episodes' steps
+    mean_of = lambda x: (batch.first * x).sum() / batch.first.sum()
     returns = batch.returns
     if args.normalize_returns:  # population std: a batch of one return normalises to 0, not NaN
         returns = (returns - mean_of(returns)) / (mean_of((returns - mean_of(returns)).square()).sqrt() + 1e-8)
@@ -337,10 +310,7 @@ def reinforce_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
-    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
-    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
-    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
     grad = mean_over_ranks(grad)  # data parallel under torchrun
@@ -349,33 +319,28 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
 
 
 def train(args: Args, envs=None) -> Agent:
-    """Train REINFORCE on `envs` (default: the `--env-id` env) and return the agent. Any env with the CartPole
-    interface works, e.g. the tests' probe envs. `Run` writes the outputs, also when an exception ends the run."""
+    """Train REINFORCE on `envs` (default: the `--env-id` env; any with the CartPole's interface, e.g. a probe)."""
     device, given_envs = torch.device(args.device), envs
     if args.compile and args.num_seeds > 1:  # the stacked update, compiled whole, would compile again at each length
         raise UsageError("--compile does not go with --num-seeds here: the update's length changes every iteration")
-    with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
+    with Run(args, evaluate, record_video) as run:
         for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
             torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
             envs = make_envs(args, device, given_envs, seed + run.rank)
             if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
                 raise UsageError(f"--num-steps {args.num_steps} is below the episode limit {envs.max_episode_steps}")
-            agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
+            agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)
-            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
-            total_steps = 0 if args.eval_only else args.total_timesteps  # --eval-only: Run evaluates at the end
-            # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes
-            # in by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a
-            # state_dict(). The last seed's: the K seeds' state stacked [K, ...] in its objects, which go on below
+            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+            total_steps = 0 if args.eval_only else args.total_timesteps
+            # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             run.start(agent, envs, optimizer, total_steps)
-        storage = run.each(
-            Rollout.empty, args.num_steps, args.num_envs, envs.obs_dim, device
-        )  # --num-seeds K: [K, ...]
-        phases = (collect_rollout, gradient_step)  # --compile: each one graph (ladder/compile.py)
+        storage = run.each(Rollout.empty, args.num_steps, args.num_envs, envs.obs_dim, device)
+        phases = (collect_rollout, gradient_step)
         collect, step = map(compiled, phases) if args.compile else phases
 
-        def learn(rollout: Rollout):  # the update on each env's first episode in `rollout`, one gradient step
-            first = first_episodes(rollout.dones)  # an unbiased sample of the policy's episodes (the docstring)
+        def learn(rollout: Rollout):
+            first = first_episodes(rollout.dones)
             returns = compute_returns(rollout.rewards, rollout.dones, args.gamma)
             obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten()
             batch = Batch(obs, actions, returns.flatten(), first.flatten().float())
@@ -388,11 +353,11 @@ def train(args: Args, envs=None) -> Agent:
             collect, learn = run.stacked(collect), run.stacked(learn)
         elif run.device.type in CudaGraph.devices:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
             collect = CudaGraph(collect, run)
-        for _ in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
+        for _ in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1 - run.progress.global_step / total_steps) * lr)  # in place: see ladder/optim.py
             steps = collect_episodes(collect, run, agent, envs, storage)
-            time = storage.dones.dim() - 2  # the steps' dimension: 0, or 1 after --num-seeds K's seeds
+            time = storage.dones.dim() - 2
             rollout = Rollout(*(x.narrow(time, 0, steps) for x in storage))
             for x in rollout if args.compile else ():  # one graph for every number of steps
                 torch._dynamo.maybe_mark_dynamic(x, time)
@@ -450,9 +415,7 @@ def finished_episodes(rollout: Rollout):
 
 
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Optional[int] = None) -> list[float]:
-    """The return of one whole episode in each of `eval-episodes` (or `num_envs`) fresh envs under the greedy (argmax)
-    policy; with a `video` path, a grid video there of (up to 16 of) them, a frame per step, each held still once its
-    episode ends."""
+    """One whole episode's return in each of `eval-episodes` (or `num_envs`) fresh envs, greedy; `video`: filmed."""
     envs = type(envs)(num_envs or args.eval_episodes, envs.device, args.seed + 1)
     obs, _ = envs.reset()
     returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
@@ -460,26 +423,24 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Opt
         for _ in range(envs.max_episode_steps):
             playing = returns[:16].isnan().unsqueeze(1)
             frames.append(torch.where(playing, obs[:16], frames[-1]) if frames else obs[:16])
-            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise
+            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))
             returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
             if not returns.isnan().any():
                 break
     if video is not None:
-        grid_video(video, torch.stack(frames), fps=round(1 / envs.tau))  # real time: 50 fps
+        grid_video(video, torch.stack(frames), fps=round(1 / envs.tau))
     return returns.tolist()
 
 
 def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
-    """Whole episodes of the policy as it is now, greedy, in 16 new envs (the same 16 at every video, so they show what
-    training changed), as `evaluate` films them at `path`; returns the path. Training's envs go on undisturbed."""
+    """Whole greedy episodes of the policy as it is now, in the same 16 new envs at every video (training's go on)."""
     evaluate(agent, envs, args, path, num_envs=16)
     return path
 
 
 def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
-    """CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8 in tensor ops: gymnasium's picture (track,
-    black cart, brown pole, blue axle) scaled from its 600x400 screen, without pygame."""
-    s = states.reshape(-1, 4, 1, 1).float()  # a state's numbers broadcast over its frame's pixels
+    """CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8: gymnasium's picture, without pygame."""
+    s = states.reshape(-1, 4, 1, 1).float()
     unit, scale = width / 600.0, width / (2 * CartPole.x_threshold)  # gymnasium draws on a 600-pixel-wide screen
     cart_w, cart_h, pole_w, pole_len = 50 * unit, 30 * unit, 10 * unit, scale * 2 * CartPole.length
     track_y = height * 0.75
@@ -505,9 +466,8 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
 
 
 def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
-    """An MP4 at `path` of up to 16 envs of CartPole observations (T, N, 4), a frame per step, tiled as squarely as they
-    fit without a wasted row (10 envs: 3x4, 16: 4x4); returns the path."""
-    frames = draw(obs[:, :16])  # (T, n, h, w, 3)
+    """An MP4 at `path` of up to 16 envs' observations (T, N, 4), tiled as squarely as they fit (10 envs: 3x4)."""
+    frames = draw(obs[:, :16])
     t, n, h, w, _ = frames.shape
     rows, cols = math.isqrt(n), -(-n // math.isqrt(n))
     if n < rows * cols:  # blank tiles fill the last row
@@ -525,7 +485,6 @@ def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
 
 
 def main() -> None:
-    """`python reinforce.py [flags]`: the flags parsed and checked, then `train` (ladder/cli.py)."""
     run_command_line(Args, train, THREADED_FROM_ENVS)
 
 

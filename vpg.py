@@ -1,13 +1,5 @@
-"""Vanilla policy gradient (REINFORCE with a learned value baseline) on the tensor CartPole.
-
-The second rung of the ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py): a critic V(s) turns returns into
-advantages, lowering the policy gradient's variance. Environment, rollout and update live on one device (`--device`).
-
-Run:
-    python vpg.py                                   # defaults: solves CartPole on a laptop CPU
-    python vpg.py --gae-lambda 1.0                  # Monte-Carlo returns minus the baseline
-    python vpg.py --rollout-use-count 4             # reuse each rollout 4 times (importance weights)
-    tensorboard --logdir runs
+"""Vanilla policy gradient (REINFORCE with a learned value baseline) on the tensor CartPole, all on `--device`: the
+second rung of the ladder (reinforce.py -> vpg.py -> ppo_cartpole_gpu.py), a critic V(s) lowering the variance.
 
 The update, one full-batch gradient step per use of a rollout:
     δ_t  = r_t + γ (1 - term_t) V(s'_t) - V(s_t)            s'_t: the true next state, also when
@@ -19,8 +11,7 @@ The update, one full-batch gradient step per use of a rollout:
     L    = L_π + c_vf L_V
 
 With `--rollout-use-count 1` (the default) w_t = 1: plain VPG. Reusing a rollout K > 1 times makes the later steps
-off-policy, which the weights π/π_old correct and the clipping keeps stable: the bridge to PPO, whose clipped surrogate
-lets the ratio itself carry the gradient ("detail N": Huang et al. 2022's numbering, as in ppo_cartpole_gpu.py).
+off-policy, which π/π_old corrects and the clipping keeps stable: the bridge to PPO ("detail N": Huang et al. 2022).
 
 Truncation is not failure: when an episode reaches the 500-step limit we bootstrap from the value of its real last
 observation (`info["final_obs"]`) instead of treating it as terminal.
@@ -51,7 +42,7 @@ from ladder.run import Run
 THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running.md: "Threads and a busy machine")
 
 
-@dataclass(frozen=True)  # the run's flags, fixed: what changes in training is a tensor (docs/modifying.md)
+@dataclass(frozen=True)
 class Args(RunFlags):
     # The algorithm's flags: a --resume keeps these as the checkpoint has them
     env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
@@ -83,14 +74,12 @@ class Args(RunFlags):
     max_grad_norm: float = 0.5
     """global gradient-norm clipping"""
 
-    # The run's flags (`RunFlags`: --total-timesteps, --device, --track, --resume, ...): the defaults that differ here
     target_return: Optional[float] = 500.0
     """stop once the mean return of the last 100 episodes reaches this (None: never; the shaped envs never reach 500)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
 
     def __post_init__(self):
-        """The algorithm's flags checked, for the command line and `Args(...)` in code alike (the run's: ladder)."""
         batch_size = self.num_envs * self.num_steps
         positive = ("num_envs", "num_steps", "rollout_use_count", "num_seeds")
         rules = {name: (getattr(self, name) > 0, "positive") for name in positive}
@@ -109,9 +98,8 @@ class Args(RunFlags):
 
 # Environment ----------------------------------------------------------------------------------
 class CartPole:
-    """Gymnasium's CartPole-v1, vectorised over `num_envs` in float32 torch ops on `device`. Its public attributes and
-    methods (reward_threshold None: no "solved" level) are the interface of every env the trainer takes (probes too);
-    without state_dict() and load_state_dict() a resumed run's episodes start anew."""
+    """Gymnasium's CartPole-v1 for `num_envs` envs in float32 torch ops; its public attributes and methods are what
+    `train` asks of any env (docs/modifying.md#the-environment)."""
 
     gravity, masscart, masspole, force_mag = 9.8, 1.0, 0.1, 10.0
     length, tau = 0.5, 0.02  # half the pole's length; seconds between state updates
@@ -156,8 +144,7 @@ class CartPole:
         denominator = self.length * (4.0 / 3.0 - self.masspole / self.total_mass * costheta.square())
         thetaacc = (self.gravity * sintheta - costheta * temp) / denominator
         xacc = torch.addcmul(temp, thetaacc, costheta, value=-self.polemass_length / self.total_mass)
-        # explicit Euler, as gymnasium's default kinematics_integrator="euler". The state is kept feature-major ((4, N)
-        # in memory, seen as (N, 4)) so x, x_dot, ... are contiguous rows: faster elementwise ops, ~9x cheaper stacking.
+        # explicit Euler as gymnasium; the state kept feature-major ((4, N) seen as (N, 4)): ~9x cheaper stacking
         derivatives = torch.stack((x_dot, xacc, theta_dot, thetaacc))
         self.state = torch.add(self.state.T, derivatives, alpha=self.tau).T
         terminated = self.terminated()
@@ -181,8 +168,7 @@ class CartPole:
         self.episode_length = self.episode_length.masked_fill(done, 0)
 
     def state_dict(self) -> dict:
-        """The states, episode counters and generator, on the CPU (under NCCL a CUDA tensor of rank r would be rebuilt
-        in rank 0 on cuda:r), for a checkpoint to go on exactly from."""
+        """What a checkpoint needs to go on exactly, on the CPU (NCCL would rebuild rank r's CUDA tensors on cuda:r)."""
         generator = self.generator.get_state()  # and a seed drawn from it, then undrawn: for the other kind of device
         seed = torch.randint(2**62, (), device=self.device, generator=self.generator)
         self.generator.set_state(generator)
@@ -190,7 +176,6 @@ class CartPole:
         return {k: v.cpu() for k, v in saved.items()} | {"generator": generator, "seed": seed.cpu()}
 
     def load_state_dict(self, saved: dict) -> torch.Tensor:
-        """The envs as `state_dict` saved them; returns their observation (here the state itself)."""
         keys = ("state", "episode_return", "episode_length")
         self.state, self.episode_return, self.episode_length = (saved[k].to(self.device) for k in keys)
         if len(saved["generator"]) == len(self.generator.get_state()):
@@ -216,7 +201,6 @@ class Tanh(nn.Module):
 
 
 def mlp(in_dim: int, out_dim: int, out_std: float) -> nn.Sequential:
-    """A 64-64 tanh network whose output layer starts at scale `out_std`."""
     hidden = [layer_init(nn.Linear(in_dim, 64)), Tanh(), layer_init(nn.Linear(64, 64)), Tanh()]
     return nn.Sequential(*hidden, layer_init(nn.Linear(64, out_dim), std=out_std))
 
@@ -237,7 +221,6 @@ class Agent(nn.Module):
         return logits.argmax(-1) if gumbel is None else (logits + gumbel).argmax(-1)
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor):
-        """Log-probability of `action`, entropy, and value."""
         logp = self.actor(obs).log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1)
         return logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), entropy, self.get_value(obs)
@@ -245,30 +228,32 @@ class Agent(nn.Module):
 
 # Algorithm ------------------------------------------------------------------------------------
 class Rollout(NamedTuple):
-    """T steps of N envs, preallocated on the device (detail 1: one vectorised batch of envs)."""
+    """T steps of N envs, (T, N) or (T, N, obs_dim) each, on the device (detail 1): `final_obs` is s'_t before any
+    auto-reset; `terminated`: no future to bootstrap; `dones`: an episode ended, its return in `episode_return`."""
 
-    obs: torch.Tensor  # (T, N, obs_dim) the observation each action was chosen on
-    actions: torch.Tensor  # (T, N)
-    rewards: torch.Tensor  # (T, N)
-    terminated: torch.Tensor  # (T, N) the episode failed at this step: no future to bootstrap
-    dones: torch.Tensor  # (T, N) terminated or truncated: an episode ended at this step
-    final_obs: torch.Tensor  # (T, N, obs_dim) s'_t, the real next state (before any auto-reset)
-    episode_return: torch.Tensor  # (T, N) the episode's return so far: its full return where done
-    episode_length: torch.Tensor  # (T, N)
+    obs: torch.Tensor
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    dones: torch.Tensor
+    final_obs: torch.Tensor
+    episode_return: torch.Tensor
+    episode_length: torch.Tensor
 
     @staticmethod
     def empty(num_steps: int, num_envs: int, obs_dim: int, device: torch.device) -> Rollout:
         zeros = lambda *shape, dtype=torch.float32: torch.zeros(num_steps, num_envs, *shape, dtype=dtype, device=device)
-        shapes = dict(obs=(obs_dim,), final_obs=(obs_dim,))  # the others (T, N)
+        shapes = dict(obs=(obs_dim,), final_obs=(obs_dim,))
         dtypes = dict(actions=torch.long, terminated=torch.bool, dones=torch.bool, episode_length=torch.int32)
         return Rollout(*(zeros(*shapes.get(f, ()), dtype=dtypes.get(f, torch.float32)) for f in Rollout._fields))
 
 
 class RolloutNoise(NamedTuple):
-    """A rollout's random numbers, drawn before it: `collect_rollout` is then pure tensor code, one compiled graph."""
+    """A rollout's random numbers, drawn before it so that `collect_rollout` is pure tensor code: Gumbel noise
+    (T, N, num_actions) to sample the actions, and (T, N, obs_dim) where an env restarts if its episode ends at t."""
 
-    gumbel: torch.Tensor  # (T, N, num_actions) Gumbel noise, -log(Exp(1)), for sampling the actions
-    initial_states: torch.Tensor  # (T, N, obs_dim) where an env restarts if its episode ends at step t
+    gumbel: torch.Tensor
+    initial_states: torch.Tensor
 
     @staticmethod
     def draw(envs, num_steps: int) -> RolloutNoise:
@@ -278,8 +263,6 @@ class RolloutNoise(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """A rollout flattened to T*N samples, with what the loss needs."""
-
     obs: torch.Tensor
     actions: torch.Tensor
     logprobs: torch.Tensor  # log π_old(a|s)
@@ -289,7 +272,6 @@ class Batch(NamedTuple):
 
 
 def collect_rollout(agent: Agent, envs, obs: torch.Tensor, rollout: Rollout, noise: RolloutNoise) -> torch.Tensor:
-    """Step every env T times with the current policy, filling `rollout`; return the next observation."""
     with torch.no_grad():
         for t in range(len(rollout.obs)):
             rollout.obs[t] = obs
@@ -329,7 +311,7 @@ def make_batch(agent: Agent, rollout: Rollout, args: Args) -> Batch:
 
 def vpg_loss(agent: Agent, args: Args, batch: Batch):
     """Importance-weighted policy-gradient loss plus the value loss; returns (loss, stats keyed by TensorBoard tag)."""
-    newlogprob, entropy, newvalue = agent(batch.obs, batch.actions)  # (batch.values: unused, no value clipping)
+    newlogprob, entropy, newvalue = agent(batch.obs, batch.actions)
     logratio = newlogprob - batch.logprobs
     with torch.no_grad():
         weights = logratio.exp()  # pi/pi_old: exactly 1 on a rollout's first use
@@ -354,10 +336,7 @@ def vpg_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on `loss_fn(agent, args, minibatch)`, the minibatch being the rows `idx` of `batch` (all of it
-    when None): the gradient in the agent's parameters, held as one vector (ladder/optim.py), the ranks' mean under
-    torchrun, its norm clipped to `max-grad-norm` (detail 11). It runs as written eager, compiled, vmapped over
-    stacked seeds and in a CUDA graph; returns the loss statistics."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
     grad = mean_over_ranks(grad)  # data parallel under torchrun
@@ -373,42 +352,40 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Ten
 
 def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
     """`rollout-use-count` full-batch gradient steps `step(batch)`; returns mean loss statistics, explained variance."""
-    history = [step(batch) for _ in range(args.rollout_use_count)]  # from the 2nd use on, pi/pi_old matters
+    history = [step(batch) for _ in range(args.rollout_use_count)]
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns)}
 
 
 def train(args: Args, envs=None) -> Agent:
-    """Train VPG on `envs` (default: the `--env-id` env) and return the agent. Any env with the CartPole interface
-    works, e.g. the tests' probe envs. `Run` writes the outputs, also when an exception ends the run."""
+    """Train VPG on `envs` (default: the `--env-id` env; any with the CartPole's interface, e.g. a probe)."""
     device, T, N, given_envs = torch.device(args.device), args.num_steps, args.num_envs, envs
-    with Run(args, evaluate, record_video) as run:  # the run folder and all in it: ladder/run.py
+    with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
         for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
             torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
             envs = make_envs(args, device, given_envs, seed + run.rank)
-            agent = Agent(envs.obs_dim, envs.num_actions).to(device)  # `run.start` gives every rank rank 0's weights
+            agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own
-            # with --resume: agent, optimizer, envs, RNGs and counters as the checkpoint left them; state you add goes
-            # in by name, e.g. run.start(..., kl_coef=kl_coef): a tensor (changed in place) or an object with a
-            # state_dict(). The last seed's: the K seeds' state stacked [K, ...] in its objects, which go on below
+            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+            # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
-        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)  # --num-seeds K: [K, ...], each seed's
-        phases = (collect_rollout, make_batch, gradient_step)  # --compile: each one graph (ladder/compile.py)
+        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
+        phases = (collect_rollout, make_batch, gradient_step)
         collect, prepare, step = map(compiled, phases) if args.compile else phases
 
-        def one_iteration(obs, noise, rollout):  # the iteration's device work (the rollout it fills given: each seed
-            obs = collect(agent, envs, obs, rollout, noise)  # has one); `envs` and `agent` hold the state it changes
+        # the iteration's device work; `agent`, `envs` and `optimizer` hold the state it changes
+        def one_iteration(obs, noise, rollout):
+            obs = collect(agent, envs, obs, rollout, noise)
             step_agent = functools.partial(step, agent, optimizer, vpg_loss, args)
-            return obs, update(step_agent, prepare(agent, rollout, args), args)  # π_old, V_old and GAE; the epochs
+            return obs, update(step_agent, prepare(agent, rollout, args), args)
 
         if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
             one_iteration = run.stacked(one_iteration)
         elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             one_iteration = CudaGraph(one_iteration, run)
-        for iteration in run.iterations():  # from the checkpoint's on; a checkpoint or a signal's stop between two
+        for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)
@@ -465,9 +442,7 @@ def finished_episodes(rollout: Rollout):
 
 
 def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Optional[int] = None) -> list[float]:
-    """The return of one whole episode in each of `eval-episodes` (or `num_envs`) fresh envs under the greedy (argmax)
-    policy; with a `video` path, a grid video there of (up to 16 of) them, a frame per step, each held still once its
-    episode ends."""
+    """One whole episode's return in each of `eval-episodes` (or `num_envs`) fresh envs, greedy; `video`: filmed."""
     envs = type(envs)(num_envs or args.eval_episodes, envs.device, args.seed + 1)
     obs, _ = envs.reset()
     returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
@@ -475,26 +450,24 @@ def evaluate(agent: Agent, envs, args: Args, video: Optional[str], num_envs: Opt
         for _ in range(envs.max_episode_steps):
             playing = returns[:16].isnan().unsqueeze(1)
             frames.append(torch.where(playing, obs[:16], frames[-1]) if frames else obs[:16])
-            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise
+            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))
             returns = torch.where((terminated | truncated) & returns.isnan(), info["episode_return"], returns)
             if not returns.isnan().any():
                 break
     if video is not None:
-        grid_video(video, torch.stack(frames), fps=round(1 / envs.tau))  # real time: 50 fps
+        grid_video(video, torch.stack(frames), fps=round(1 / envs.tau))
     return returns.tolist()
 
 
 def record_video(agent: Agent, envs, rollout: Rollout, args: Args, path: str) -> str:
-    """Whole episodes of the policy as it is now, greedy, in 16 new envs (the same 16 at every video, so they show what
-    training changed), as `evaluate` films them at `path`; returns the path. Training's envs go on undisturbed."""
+    """Whole greedy episodes of the policy as it is now, in the same 16 new envs at every video (training's go on)."""
     evaluate(agent, envs, args, path, num_envs=16)
     return path
 
 
 def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Tensor:
-    """CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8 in tensor ops: gymnasium's picture (track,
-    black cart, brown pole, blue axle) scaled from its 600x400 screen, without pygame."""
-    s = states.reshape(-1, 4, 1, 1).float()  # a state's numbers broadcast over its frame's pixels
+    """CartPole states (..., 4) as RGB frames (..., height, width, 3) uint8: gymnasium's picture, without pygame."""
+    s = states.reshape(-1, 4, 1, 1).float()
     unit, scale = width / 600.0, width / (2 * CartPole.x_threshold)  # gymnasium draws on a 600-pixel-wide screen
     cart_w, cart_h, pole_w, pole_len = 50 * unit, 30 * unit, 10 * unit, scale * 2 * CartPole.length
     track_y = height * 0.75
@@ -520,9 +493,8 @@ def draw(states: torch.Tensor, width: int = 150, height: int = 100) -> torch.Ten
 
 
 def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
-    """An MP4 at `path` of up to 16 envs of CartPole observations (T, N, 4), a frame per step, tiled as squarely as they
-    fit without a wasted row (10 envs: 3x4, 16: 4x4); returns the path."""
-    frames = draw(obs[:, :16])  # (T, n, h, w, 3)
+    """An MP4 at `path` of up to 16 envs' observations (T, N, 4), tiled as squarely as they fit (10 envs: 3x4)."""
+    frames = draw(obs[:, :16])
     t, n, h, w, _ = frames.shape
     rows, cols = math.isqrt(n), -(-n // math.isqrt(n))
     if n < rows * cols:  # blank tiles fill the last row
@@ -540,7 +512,6 @@ def grid_video(path: str, obs: torch.Tensor, fps: int) -> str:
 
 
 def main() -> None:
-    """`python vpg.py [flags]`: the flags parsed and checked, then `train` (ladder/cli.py)."""
     run_command_line(Args, train, THREADED_FROM_ENVS)
 
 

@@ -92,21 +92,21 @@ class Memory(nn.Module):
 """,
     ),
     (
-        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own\n',
-        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # each group anneals from its own\n'
+        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]\n',
+        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]\n'
         "            memory = Memory(N, device)\n",
     ),
     (
-        "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)  # --num-seeds K: [K, ...], each seed's\n",
-        "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim + 2 * HIDDEN_SIZE, device)  # --num-seeds K: [K, ...]\n",
+        "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)\n",
+        "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim + 2 * HIDDEN_SIZE, device)\n",
     ),
     (
         "* run.world_size, envs.reset()[0])\n",
         "* run.world_size, envs.reset()[0],\n                            memory=PerRank(memory))  # each rank's own, saved per rank\n",
     ),
     (
-        "obs = collect(agent, envs, obs, rollout, noise)  # has one); `envs` and `agent` hold the state it changes",
-        "obs = collect(agent, envs, obs, rollout, noise, memory)  # has one); envs, agent, memory: what it changes",
+        "obs = collect(agent, envs, obs, rollout, noise)\n",
+        "obs = collect(agent, envs, obs, rollout, noise, memory)\n",
     ),
     (
         """        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]""",
@@ -121,10 +121,10 @@ class Memory(nn.Module):
 """,
     ),
     (
-        """            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise
+        """            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))
 """,
         """            inputs = torch.cat((obs, hidden), -1)
-            obs, _, terminated, truncated, info = envs.step(agent.get_action(inputs))  # greedy: no Gumbel noise
+            obs, _, terminated, truncated, info = envs.step(agent.get_action(inputs))
             hidden = agent.remember(inputs)
 """,
     ),
@@ -185,8 +185,8 @@ OBSERVATION_NORMALISATION = [
         """rollout.final_obs[t] = terminated | truncated, agent.obs_rms.normalize(info["final_obs"])\n""",
     ),
     (
-        "            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))  # greedy: no Gumbel noise\n",
-        """            action = agent.get_action(agent.obs_rms.normalize(obs))  # greedy: no Gumbel noise
+        "            obs, _, terminated, truncated, info = envs.step(agent.get_action(obs))\n",
+        """            action = agent.get_action(agent.obs_rms.normalize(obs))
             obs, _, terminated, truncated, info = envs.step(action)
 """,
     ),
