@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from ladder.flags import your_line
 from ladder.optim import Adam
-from ladder.stacked import get, put, slots
+from ladder.stacked import place_value, slots, value_at
 
 
 class HostWatch(torch.overrides.TorchFunctionMode):
@@ -66,18 +66,18 @@ class CudaGraph:
         for x, static in zip(leaves, self.static):
             if torch.is_tensor(x) and x is not static:
                 static.copy_(x)
-        self.hold()
+        self.copy_state_in()
         out = self.replay()
         for x, static in zip(leaves, self.static):  # what `fn` wrote into its inputs (not into an env's state held)
             if torch.is_tensor(x) and x is not static and not any(x is held for held in self.static_slots):
                 x.copy_(static)
         return pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, out)
 
-    def hold(self) -> None:
+    def copy_state_in(self) -> None:
         """State tensors that `fn` replaced (out of place, a reset) copied into the recorded ones."""
         for place, static in zip(self.slots, self.static_slots):
-            if get(place) is not static:
-                put(place, static.copy_(get(place)))
+            if value_at(place) is not static:
+                place_value(place, static.copy_(value_at(place)))
 
     @contextlib.contextmanager
     def warm_up(self):
@@ -100,7 +100,7 @@ class CudaGraph:
 
     def start_recording(self, leaves, spec) -> None:
         """Call 2: `fn` recorded (no work done) on copies of the inputs and on the state tensors as they are."""
-        start, saved = time.perf_counter(), [(place, get(place)) for place in self.slots]
+        start, saved = time.perf_counter(), [(place, value_at(place)) for place in self.slots]
         # an input that is a state tensor (the obs a reset returned) stays that tensor, as in the warm-up: compiled
         # code is specialised on which inputs alias, and would compile again inside the recording (and fail)
         self.static_slots = held = [v for *_, v in saved]
@@ -111,14 +111,14 @@ class CudaGraph:
 
         def body():
             out = self.fn(*pytree.tree_unflatten(self.static, spec))
-            self.hold()  # recorded too: a replay leaves the new state where the next one reads it
+            self.copy_state_in()  # recorded too: a replay leaves the new state where the next one reads it
             return out
 
         try:
             self.replay = self.record(body)
         except Exception as e:  # a host read or a CPU tensor during the recording, an op CUDA graphs cannot hold
             for place, value in saved:
-                put(place, value)
+                place_value(place, value)
             if cuda:
                 generator.graphsafe_set_state(rng)
             while e.__context__ is not None:  # the first error: the others followed from it

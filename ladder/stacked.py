@@ -25,16 +25,16 @@ class Stacked:
         if any([key for _, key in mine] != [key for _, key in self.slots] for mine in theirs):
             raise UsageError("--num-seeds: the seeds' agents, envs or optimizers differ in their tensors")
         with torch.no_grad():
-            self.values = [torch.stack([get(place) for place in column]) for column in zip(*theirs)]
+            self.values = [torch.stack([value_at(place) for place in column]) for column in zip(*theirs)]
         self.rows = [[value[k] for value in self.values] for k in range(self.k)]
         for objects, mine, rows in zip(seeds[:-1], theirs, self.rows):
-            hold(mine, rows, [obj for obj in objects.values() if isinstance(obj, Adam)])
-        hold(self.slots, self.values, self.adams)
+            place_values(mine, rows, [obj for obj in objects.values() if isinstance(obj, Adam)])
+        place_values(self.slots, self.values, self.adams)
         self.theirs, self.calls, self.as_seed = theirs, {}, False
 
     def sync(self) -> None:
         """A stacked tensor the lead's code replaced (out of place, between calls), copied into the stack."""
-        keep(self.slots, self.values)
+        copy_replaced(self.slots, self.values)
 
     @contextlib.contextmanager
     def as_last_seed(self):
@@ -46,14 +46,14 @@ class Stacked:
         try:
             yield
         finally:
-            keep(self.slots, self.rows[-1])
-            hold(self.slots, self.values, self.adams)
+            copy_replaced(self.slots, self.rows[-1])
+            place_values(self.slots, self.values, self.adams)
             self.as_seed = False
 
     def release(self) -> None:
         """The lead's objects holding the last seed's own state alone (for good at the run's end), as the others do."""
         self.sync()
-        hold(self.slots, self.rows[-1], self.adams)
+        place_values(self.slots, self.rows[-1], self.adams)
         self.as_seed = True
 
     def share_lead(self) -> None:
@@ -78,8 +78,8 @@ class Stacked:
             with self.as_last_seed() if k == self.k - 1 else contextlib.nullcontext():
                 outs.append(fn(*pytree.tree_unflatten(own, spec)))
             if k < self.k - 1:
-                keep(self.theirs[k], self.rows[k])
-        return stack(outs)
+                copy_replaced(self.theirs[k], self.rows[k])
+        return stacked_results(outs)
 
     def call(self, fn, *args, compile: bool = False):
         """`fn(*args)` for all K seeds in one vmapped call made once per layout of `args` (tensors stacked [K, ...];
@@ -98,19 +98,19 @@ class Stacked:
             kept = [(torch.is_tensor(x), None if torch.is_tensor(x) else x) for x in leaves]  # (compiled: guarded)
 
             def on_one_seed(values, tensors):
-                originals = [get(place) for place in self.slots]
+                originals = [value_at(place) for place in self.slots]
                 for place, value in zip(self.slots, values):  # (a parameter too: its place, for the call)
-                    put(place, value)
+                    place_value(place, value)
                 swapped = [adam.swap(adam.flat) for adam in self.adams]  # its parameters: views of the seed's vector
                 try:
                     tensors = iter(tensors)
                     out = fn(*pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec))
-                    return out, [get(place) for place in self.slots]
+                    return out, [value_at(place) for place in self.slots]
                 finally:
                     for adam, parameters in zip(self.adams, swapped):
                         adam.swap(parameters)
                     for place, value in zip(self.slots, originals):
-                        put(place, value)
+                        place_value(place, value)
 
             vmapped = torch.func.vmap(on_one_seed, randomness="different")
             self.calls[layout] = compiled(vmapped) if compile else vmapped
@@ -135,35 +135,35 @@ def slots(objects: dict) -> list[tuple]:
     return [(t, key) for t in tables for key, v in items(t) if torch.is_tensor(v) and id(v) not in held]
 
 
-def get(place):
+def value_at(place):
     return place[0][place[1]] if isinstance(place[0], dict) else getattr(*place)
 
 
-def put(place, value) -> None:
+def place_value(place, value) -> None:
     place[0].__setitem__(place[1], value) if isinstance(place[0], dict) else setattr(*place, value)
 
 
-def hold(places: list, values: list, adams: list) -> None:
+def place_values(places: list, values: list, adams: list) -> None:
     """`values` at `places` (a parameter stays that object: optimizers know it), Adams' parameters views of theirs."""
     for place, value in zip(places, values):
-        if isinstance(get(place), nn.Parameter):
-            get(place).data = value
+        if isinstance(value_at(place), nn.Parameter):
+            value_at(place).data = value
         else:
-            put(place, value)
+            place_value(place, value)
     for adam in adams:
         adam.attach(adam.flat)
 
 
-def keep(places: list, values: list) -> None:
+def copy_replaced(places: list, values: list) -> None:
     """What the code put at `places` in place of `values` (an env's state replaced out of place), copied into them."""
     for place, value in zip(places, values):
-        if get(place) is not value:
+        if value_at(place) is not value:
             with torch.no_grad():
-                value.copy_(get(place))
-            hold([place], [value], [])
+                value.copy_(value_at(place))
+            place_values([place], [value], [])
 
 
-def stack(outs: list):
+def stacked_results(outs: list):
     """The seeds' results, each a tree of the same structure: their tensors stacked, [K, ...]."""
     leaves, specs = zip(*map(pytree.tree_flatten, outs))
     return pytree.tree_unflatten([torch.stack(c) if torch.is_tensor(c[0]) else c[0] for c in zip(*leaves)], specs[0])

@@ -22,7 +22,7 @@ from conftest import (
 )
 from conftest import train_seeds as train_seeds_of
 from ladder.cuda_graph import CudaGraph
-from ladder.stacked import get, put
+from ladder.stacked import place_value, value_at
 from test_modifications import adaptive_penalty
 from test_optim import torch_step
 
@@ -140,7 +140,7 @@ def test_what_cannot_be_recorded_runs_as_written_with_one_note(trouble, in_tmp, 
 
     def failing(self, body):  # as a recording: the env's tensors replaced by ones never computed, then the error
         for place in self.slots:
-            put(place, torch.full_like(get(place), 3))
+            place_value(place, torch.full_like(value_at(place), 3))
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
 
     replayed_on_the_cpu(module, monkeypatch, failing if trouble == "recording fails" else lambda self, body: body)
