@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ladder.cli import run_command_line
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import mean_over_ranks
+from ladder.distributed import average_gradients, mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -355,9 +355,11 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
-    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
-    grad = mean_over_ranks(grad)  # data parallel under torchrun
-    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
+    optimizer.zero_grad()
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
+    average_gradients(agent)  # data parallel under torchrun
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
+    optimizer.step()
     return stats
 
 
@@ -413,15 +415,17 @@ def train(args: Args) -> Agent:
             batch = Batch(*rows, advantages.flatten(), returns.flatten(), values[:T].flatten(), mask)
             return update(step, batch, args)
 
-        if run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            learn = CudaGraph(learn, run)
+        learn = CudaGraph(learn, run)  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
         for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
             env_steps = collect_rollout(agent, envs, rollout, env_batch)
             stats = learn(rollout[:8])
-            if run.log(env_steps, stats, finished_episodes(rollout), rollout):  # True once the target is reached
+            run.log(env_steps, stats, finished_episodes(rollout))
+            run.film(rollout)
+            if run.target_reached():
                 break
+            run.checkpoint()  # every --checkpoint-interval iterations; last in the loop, so all its state is in it
     return agent
 
 
@@ -520,7 +524,7 @@ def grid_video(frames: torch.Tensor) -> np.ndarray:
     if n < rows * cols:  # black tiles fill the last row
         frames = torch.cat((frames, frames.new_zeros((t, rows * cols - n, h, w))), dim=1)
     frames = frames.clone()
-    frames[:, :, [0, -1]] = 128  # thin grey border between tiles
+    frames[:, :, [0, -1]] = 128
     frames[:, :, :, [0, -1]] = 128
     grid = frames.view(t, rows, cols, h, w).permute(0, 1, 3, 2, 4).reshape(t, rows * h, cols * w)
     return grid.unsqueeze(-1).expand(-1, -1, -1, 3).cpu().numpy()

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import mean_over_ranks
+from ladder.distributed import average_gradients, mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -360,9 +360,11 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
-    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
-    grad = mean_over_ranks(grad)  # data parallel under torchrun
-    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
+    optimizer.zero_grad()
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
+    average_gradients(agent)  # data parallel under torchrun
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
+    optimizer.step()
     return stats
 
 
@@ -392,7 +394,7 @@ def train(args: Args) -> Agent:
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
-        for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
+        for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
             torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
             if seed == args.seed:
                 run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
@@ -415,7 +417,7 @@ def train(args: Args) -> Agent:
 
         if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
             learn = run.stacked(learn)
-        elif run.device.type in CudaGraph.devices:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
+        else:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             learn = CudaGraph(learn, run)
         for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
@@ -423,8 +425,11 @@ def train(args: Args) -> Agent:
             # --num-seeds K: the seeds' JAX envs step in turn, each seed's own objects (JAX is not vmapped by torch)
             raw_obs = run.one_by_one(collect_rollout, agent, envs, raw_obs, rollout, scale_reward)
             stats = learn(rollout)
-            if run.log(T * N, stats, finished_episodes(rollout), rollout):  # True once the target return is reached
+            run.log(T * N, stats, finished_episodes(rollout))
+            run.film(rollout)
+            if run.target_reached():
                 break
+            run.checkpoint()  # every --checkpoint-interval iterations; last in the loop, so all its state is in it
     return agent
 
 

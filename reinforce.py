@@ -27,7 +27,7 @@ import torch.nn as nn
 from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import mean_over_ranks
+from ladder.distributed import average_gradients
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -312,9 +312,11 @@ def reinforce_loss(agent: Agent, args: Args, batch: Batch):
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
-    grad, stats = optimizer.gradient(loss_fn, agent, args, minibatch)
-    grad = mean_over_ranks(grad)  # data parallel under torchrun
-    optimizer.step(grad * (args.max_grad_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
+    optimizer.zero_grad()
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
+    average_gradients(agent)  # data parallel under torchrun
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
+    optimizer.step()
     return stats
 
 
@@ -324,7 +326,7 @@ def train(args: Args, envs=None) -> Agent:
     if args.compile and args.num_seeds > 1:  # the stacked update, compiled whole, would compile again at each length
         raise UsageError("--compile does not go with --num-seeds here: the update's length changes every iteration")
     with Run(args, evaluate, record_video) as run:
-        for seed in run.seeds():  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
+        for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
             torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
             envs = make_envs(args, device, given_envs, seed + run.rank)
             if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
@@ -351,7 +353,7 @@ def train(args: Args, envs=None) -> Agent:
 
         if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
             collect, learn = run.stacked(collect), run.stacked(learn)
-        elif run.device.type in CudaGraph.devices:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
+        else:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
             collect = CudaGraph(collect, run)
         for _ in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
@@ -362,8 +364,11 @@ def train(args: Args, envs=None) -> Agent:
             for x in rollout if args.compile else ():  # one graph for every number of steps
                 torch._dynamo.maybe_mark_dynamic(x, time)
             stats, episodes = learn(rollout)
-            if run.log(steps * args.num_envs, stats, episodes, storage):  # True once the target return is reached
+            run.log(steps * args.num_envs, stats, episodes)
+            run.film(storage)
+            if run.target_reached():
                 break
+            run.checkpoint()  # every --checkpoint-interval iterations; last in the loop, so all its state is in it
     return agent
 
 

@@ -10,7 +10,6 @@ from ladder.flags import UsageError
 
 
 def read_summary(folder: Optional[str]) -> Optional[dict]:
-    """A run folder's or an aggregate folder's summary.json; None where there is none."""
     if folder is None or not os.path.isfile(path := os.path.join(folder, "summary.json")):
         return None
     with open(path) as f:
@@ -18,8 +17,7 @@ def read_summary(folder: Optional[str]) -> Optional[dict]:
 
 
 def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
-    """The checkpoint at `path` or `path`/checkpoint.pt (--load-model: a model too), on the CPU, unless another script
-    wrote it; of an aggregate folder: its first seed's, with the flags of K seeds."""
+    """The checkpoint at `path` (or in it) on the CPU, unless another script wrote it; K seeds' folder: the first's."""
     file = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file) and (summary := read_summary(path)) and summary.get("run_dirs"):
         saved = read_checkpoint(summary["run_dirs"][0], script, flag)
@@ -48,7 +46,6 @@ def write_atomically(path: str, contents: dict) -> None:
 
 
 def state(obj):
-    """What a checkpoint keeps of a tensor (itself) or of an object (its state_dict)."""
     return obj if torch.is_tensor(obj) else obj.state_dict()
 
 

@@ -22,7 +22,6 @@ from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file
 
 
 def check_run_flags(args) -> torch.device:
-    """Reject bad run flags in one line (UsageError) before anything is built; return the device."""
     counts = ("eval_episodes", "torch_threads", "video_interval", "checkpoint_interval")
     gpus = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # found; needed: one per process
     cuda = args.device.split(":")[0] == "cuda" and gpus[0] >= gpus[1]
@@ -82,13 +81,6 @@ def flag_meant(flag: str, Args) -> str | None:
     return initials.get(flag) or next(iter(difflib.get_close_matches(flag, names, n=1, cutoff=0.75)), None)
 
 
-def set_threads(args, threaded_from_envs: int) -> None:
-    """Torch's CPU threads, process-wide (so here rather than in train()); the torchrun ranks share the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= threaded_from_envs else 1))
-
-
 def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
     """`python script.py [flags]`: parse, join torchrun, set threads, train; end in one line (exit 2: usage, 1: NaN)."""
     try:
@@ -98,8 +90,10 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
             if device.type == "cuda":  # this rank's GPU
                 torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"])))
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
-        if device.type == "cpu":
-            set_threads(args, threaded_from_envs)
+        if device.type == "cpu":  # torch's threads, process-wide (so here, not in train()); the ranks share the cores
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            torch.set_num_threads(args.torch_threads or (per_rank if args.num_envs >= threaded_from_envs else 1))
         train(replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
     except UsageError as e:
         rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 import torch
 
@@ -29,6 +30,10 @@ def compiled(fn):
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             cause, where = lines[0], [f" ({line})" for line in lines if line.startswith("File ")][-1:]  # your line
+            if ours := re.search(r"raised exception UsageError\('(.+)'\)", str(e.__cause__)):  # ladder's own words
+                cause = ours[1]
+            elif "Optimizer.zero_grad" in str(e):  # CleanRL's update with a torch.optim optimizer
+                cause = "torch.optim's zero_grad is one dynamo will not compile: use ladder.optim.Adam"
             if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):  # dynamo's last reason: the guard that failed
                 reasons = max(torch._dynamo.utils.guard_failures.values(), key=len, default=[])
                 guard = " ".join(reasons[-1].split("User stack trace")[0].split()) if reasons else "a value changed"

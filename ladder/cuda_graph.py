@@ -37,20 +37,22 @@ class HostWatch(torch.overrides.TorchFunctionMode):
 
 class CudaGraph:
     """`fn` (tensors in and out) as a CUDA graph: call 1 runs it, watching for host reads, call 2 records it, later ones
-    replay it (inputs and state copied in, outputs cloned). What cannot be recorded runs as written, with a note."""
+    replay it. What cannot be recorded runs as written, with a note; off a GPU or with --no-cuda-graph, silently."""
 
     devices = ("cuda",)  # where an iteration is given to a CudaGraph (tests add "cpu": `record` then replays `body`)
 
     def __init__(self, fn, run):
         self.fn, self.run, self.replay, self.calls, optimizer = fn, run, None, 0, run.optimizer
-        self.slots = slots(run.stateful)  # where the state's tensors live: a module's buffers, an env's attributes
-        self.reason = None if run.args.cuda_graph else ""  # None: to be recorded; "": not, silently
+        self.reason = None if run.args.cuda_graph and run.device.type in self.devices else ""  # None: to be recorded
         if self.reason is None and not isinstance(optimizer, Adam):  # its rates: device tensors a replay reads
             self.reason = f"{type(optimizer).__name__} is not ladder.optim.Adam, whose step a graph can hold"
         elif self.reason is None and run.world_size > 1:
             self.reason = "under torchrun the gradients' all-reduce is not recorded"
+        self.slots = slots(run.stateful) if self.reason is None else []  # the state's places: buffers, envs' attributes
 
     def __call__(self, *args):
+        if self.reason == "":  # runs as written
+            return self.fn(*args)
         self.calls += 1
         leaves, spec = pytree.tree_flatten(args)
         if self.calls == 2 and self.reason is None:

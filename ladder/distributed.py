@@ -7,8 +7,7 @@ import torch.nn as nn
 
 
 def average_gradients(module: nn.Module) -> None:
-    """`module`'s gradients averaged over the ranks: call it between `backward()` and `step()` for a network you train
-    with an optimizer of torch's, or its ranks drift apart."""
+    """`module`'s gradients averaged over the torchrun ranks, between `backward()` and `step()` (data parallel)."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     for grad, mean in zip(grads, mean_over_ranks(grads)):
         grad.copy_(mean)  # in one process the same tensor: a no-op
@@ -27,13 +26,11 @@ def mean_over_ranks(tensors):
 
 
 def alike(stateful: dict, per_rank: set) -> dict:
-    """The modules and tensors given to `run.start` that the ranks hold alike (all but `PerRank`'s), by name."""
     shared = {k: v for k, v in stateful.items() if k not in per_rank}
     return {k: v for k, v in shared.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
 
 
 def broadcast_from_rank_0(shared: dict) -> None:
-    """Every rank starts from rank 0's weights, statistics and state given to `run.start` (`alike`)."""
     for value in shared.values():
         for tensor in [value] if torch.is_tensor(value) else value.state_dict().values():
             dist.broadcast(tensor, src=0)
@@ -66,7 +63,6 @@ def ranks_apart(shared: dict, noted: set, note) -> dict[str, torch.Tensor]:
 
 
 def load_ranks_own(stateful: dict, saved: dict[str, torch.Tensor]) -> None:
-    """This rank's own state as `ranks_apart` found it at the checkpoint, in place of rank 0's."""
     for name, value in saved.items():
         owner, _, buffer = name.partition(".")
         (stateful[owner].get_buffer(buffer) if buffer else stateful[owner]).copy_(value)

@@ -3,30 +3,29 @@
 import torch
 import torch.nn as nn
 
+from ladder.flags import UsageError
+
 
 class Adam(torch.optim.Optimizer):
-    """Adam (Kingma & Ba 2015; AdamW's decoupled `weight_decay`) on `module`'s trainable parameters or `params` (some,
-    or param groups), views of one flat vector (the moments flat too): `gradient` gives one vector, `step(grad)`
-    updates in ~10 ops. A group's rate is a device tensor, changed in place (`group["lr"].fill_(rate)`), not baked into
-    a compiled graph."""
+    """Adam (AdamW's decoupled `weight_decay`) on `module`'s trainable parameters or `params`, views of one flat
+    vector: `step()` reads their `.grad`, updates in ~10 ops. A rate is a device tensor, set in place (not baked in)."""
 
     def __init__(self, module: nn.Module, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        params = [p for p in module.parameters() if p.requires_grad] if params is None else params
+        if params is None:  # the trainable ones no other Adam holds (it makes them views of its flat vector)
+            params = [p for p in module.parameters() if p.requires_grad and p.untyped_storage().nbytes() == p.nbytes]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         held = [p for group in self.param_groups for p in group["params"]]
-        names = {id(p): name for name, p in module.named_parameters()}
+        names = {id(p): name for name, p in module.named_parameters() if p.untyped_storage().nbytes() == p.nbytes}
         if len({id(p) for p in held}) < len(held) or any(id(p) not in names for p in held):
-            raise ValueError("Adam takes each of the module's parameters once, and no other")
+            raise ValueError("Adam takes each of the module's parameters once, none another Adam holds, and no other")
         self.module, self.shapes = module, [p.shape for p in held]
         self.sizes = [sum(p.numel() for p in group["params"]) for group in self.param_groups]
         index = {id(p): i for i, p in enumerate(held)}  # each place that holds a parameter (a shared one: several)
         tables = {id(m._parameters): m._parameters for _, m in module.named_modules(remove_duplicate=False)}.values()
-        self.places = [(t, key, index[id(p)]) for t in tables for key, p in t.items() if id(p) in index]
-        with torch.no_grad():
-            self.held = {"flat": torch.cat([p.reshape(-1) for p in held])}
+        places = [(t, key, index[id(p)]) for t in tables for key, p in t.items() if id(p) in index]
+        self.places = sorted(places, key=lambda place: place[2])  # in the flat vector's order
+        self.held = {"flat": torch.cat([p.detach().reshape(-1) for p in held])}
         self.attach(self.flat)
-        for p in held:  # a backward() through them would fill .grad, which no step reads: it fails instead
-            p.requires_grad_(False)
         for group in self.param_groups:  # a tensor: a compiled or recorded step reads it, the rate not baked in
             group["lr"] = torch.tensor(float(group["lr"]), device=self.flat.device)
         zeros = torch.zeros_like(self.flat)
@@ -38,13 +37,11 @@ class Adam(torch.optim.Optimizer):
         return self.held["flat"]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each held parameter as a view of `flat` (of this layout: a gradient too; [K, ...]: K stacked seeds')."""
         parts = flat.split([shape.numel() for shape in self.shapes], dim=-1)
         return [x.view(*flat.shape[:-1], *shape) for x, shape in zip(parts, self.shapes)]
 
     def attach(self, flat: torch.Tensor) -> None:
-        """The flat vector `flat` (the stacked seeds': [K, ...]), the module's parameters views of it."""
-        self.held["flat"], views, self.vmapped = flat, self.views(flat), flat.dim() > 1  # K seeds': used in vmap
+        self.held["flat"], views = flat, self.views(flat)
         for table, key, i in self.places:
             table[key].data = views[i]
 
@@ -58,28 +55,46 @@ class Adam(torch.optim.Optimizer):
             table[key] = value
         return previous
 
-    def gradient(self, loss_fn, module: nn.Module, *args):
-        """(the flat gradient of the loss, the statistics) of `loss_fn(module, *args)` -> (loss, statistics): by
-        torch.autograd eager and compiled, by torch.func.grad vmapped (--num-seeds; autograd cannot run there)."""
-        assert module is self.module, "the gradient is in the parameters of the module the optimizer was built on"
-
-        def loss_in(flat):
-            held = self.swap(flat)
-            try:
-                return loss_fn(module, *args)
-            finally:
-                self.swap(held)
-
+    def backward(self, loss_fn, module: nn.Module, *args) -> dict:
+        """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient added
+        to their `.grad`, by torch.autograd (eager, compiled) or torch.func.grad (vmapped); returns `stats`."""
+        held = list({i: table[key] for table, key, i in self.places}.values())  # (vmapped: the seed's)
         untraceable = torch.compiler.is_compiling() and not getattr(torch._dynamo.config, "trace_autograd_ops", False)
-        if self.vmapped or untraceable:  # (an older torch's dynamo cannot trace torch.autograd.grad)
-            return torch.func.grad(loss_in, has_aux=True)(self.flat)
-        flat = self.flat.detach().requires_grad_()
-        loss, aux = loss_in(flat)
-        return torch.autograd.grad(loss, flat)[0], aux
+        if isinstance(held[0], nn.Parameter) and not untraceable:
+            loss, stats = loss_fn(module, *args)
+            grads = torch.autograd.grad(loss, held, allow_unused=True)
+        else:  # (an older torch's dynamo cannot trace torch.autograd.grad either)
 
-    def step(self, grad: torch.Tensor) -> None:
-        """Adam's update of the flat vector with `grad`, each param group with its own rate, betas, eps and decay."""
-        s, split = self.state["flat"], lambda x: x.split(self.sizes)
+            def loss_in(flat):
+                own = self.swap(flat)
+                try:
+                    return loss_fn(module, *args)
+                finally:
+                    self.swap(own)
+
+            flat_grad, stats = torch.func.grad(loss_in, has_aux=True)(self.flat)
+            grads = self.views(flat_grad)
+        for p, g in zip(held, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        return stats
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # torch's is one a compiled graph cannot hold
+        for p in self.module.parameters():  # all the module's: a clip of them then counts no other optimizer's
+            p.grad = None
+
+    def flat_grad(self) -> torch.Tensor:
+        """The held parameters' `.grad` (where the module holds them: vmapped, the seed's; none: zero) as one vector."""
+        held = {i: table[key] for table, key, i in self.places}.values()
+        if all(p.grad is None for p in held):  # torch's optimizers would skip the step, silently: no learning
+            raise UsageError("optimizer.step() found no gradient: take it with optimizer.backward(loss_fn, agent, ...)")
+        return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in held])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Adam's update of the flat vector with `flat_grad()`, each param group with its own settings."""
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        s, split, grad = self.state["flat"], lambda x: x.split(self.sizes), self.flat_grad()
         s["step"] += 1
         groups = zip(self.param_groups, split(self.flat), split(grad), split(s["exp_avg"]), split(s["exp_avg_sq"]))
         for group, p, g, m, v in groups:
@@ -90,24 +105,37 @@ class Adam(torch.optim.Optimizer):
                 p.mul_(1 - lr * group["weight_decay"])
             denom = (v / (1 - beta2 ** s["step"])).sqrt_().add_(group["eps"])
             p.sub_(lr / (1 - beta1 ** s["step"]) * m / denom)
+        return loss
 
     def add_param_group(self, param_group: dict) -> None:  # torch's, without importing torch._dynamo (~0.9 s)
-        add = torch.optim.Optimizer.add_param_group
-        getattr(add, "__wrapped__", add)(self, param_group)
+        untraced(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def state_dict(self) -> dict:  # torch's too (its hooks run): {"state": {"flat": ...}, "param_groups": ...}
+        return untraced(torch.optim.Optimizer.state_dict)(self)
 
     def _patch_step_function(self) -> None:
         """(torch.optim wraps step() in a profiler's record, which a compiled graph ignores, warning: not here.)"""
 
-    def state_dict(self) -> dict:
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
-        return {"state": {k: v.clone() for k, v in self.state["flat"].items()}, "param_groups": groups}
+    def no_hooks(self, *args, **kwargs):
+        raise UsageError("ladder.optim.Adam runs no step or load hooks (its step is compiled, vmapped): call yours")
+
+    register_step_pre_hook = register_step_post_hook = no_hooks
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = no_hooks
 
     def load_state_dict(self, saved: dict) -> None:
-        """The moments and step in place, each param group's settings (the rate filled in, not replaced)."""
-        if set(saved.get("state", {})) != {"step", "exp_avg", "exp_avg_sq"}:
+        """The moments and step in place (`state_dict`'s or an older flat one), each group's settings (rates filled)."""
+        state = saved.get("state", {}).get("flat", saved.get("state"))
+        if set(state or {}) != {"step", "exp_avg", "exp_avg_sq"}:
             raise ValueError("its Adam state is per parameter: a checkpoint from before ladder's flat Adam")
-        for key, value in saved["state"].items():
+        for key, value in state.items():
             self.state["flat"][key].copy_(value)
         for group, settings in zip(self.param_groups, saved["param_groups"]):
-            for key, value in settings.items():
-                group[key].fill_(value) if torch.is_tensor(group[key]) else group.__setitem__(key, value)
+            for key, value in [(k, v) for k, v in settings.items() if k != "params"]:
+                if torch.is_tensor(group[key]):
+                    group[key].fill_(value)
+                else:
+                    group[key] = value
+
+
+def untraced(method):  # torch.optim's `method` without the wrapper whose first call imports torch._dynamo
+    return getattr(method, "__wrapped__", method)

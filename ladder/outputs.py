@@ -66,7 +66,6 @@ class Outputs:
             self.wandb.log({key: sys.modules["wandb"].Video(path, format="mp4")})
 
     def close(self, eval_mean, step: int) -> None:
-        """The final evaluation's mean (None: none) written; the writers closed."""
         if self.progress is not None:
             self.progress.total = self.progress.n  # the bar ends where training ended
             self.progress.close()

@@ -40,7 +40,6 @@ class Progress:
         return tags, np.column_stack([numbers[:, 2], np.full(k, self.sps() or np.nan), values, *episodic])
 
     def sps(self):
-        """Env steps per second of the iterations timed so far (None: none yet)."""
         return int(self.timed_steps / self.seconds) if self.seconds else None
 
     def add_episodes(self, ended: np.ndarray, returns: np.ndarray) -> np.ndarray:
@@ -67,7 +66,6 @@ class Progress:
         return np.roll(self.returns[seed], -int(self.count[seed] % WINDOW) if filled == WINDOW else 0)[:filled].tolist()
 
     def counters(self, seed: int) -> dict:
-        """Seed `seed`'s counters as a checkpoint and summary.json keep them."""
         solved = not math.isnan(self.solved_step[seed])
         step, seconds = (int(self.solved_step[seed]), float(self.solved_seconds[seed])) if solved else (None, None)
         c = dict(iteration=self.iteration, global_step=self.global_step, seconds=self.seconds)
@@ -75,7 +73,6 @@ class Progress:
         return c | dict(target_reached=bool(self.target_reached[seed]), solved_step=step, solved_seconds=seconds)
 
     def restore(self, seed: int, counters: dict, recent: list[float]) -> None:
-        """Seed `seed`'s counters and last returns as a checkpoint kept them."""
         self.iteration, self.global_step = counters["iteration"], counters["global_step"]
         self.seconds, self.timed_steps = counters["seconds"], counters["timed_steps"]
         self.episodes[seed], self.target_reached[seed] = counters["episodes"], counters["target_reached"]

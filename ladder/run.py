@@ -1,7 +1,7 @@
-"""`Run`: what `train()` calls (its seeds, start, iterations, logs and end); behind it seeds.py, seed.py, stacked.py,
-outputs.py, progress.py and signals.py."""
+"""`Run`: what `train()` calls (its seeds, start, iterations, logs, videos, checkpoints and end)."""
 
 import contextlib
+import math
 import sys
 import time
 
@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from tqdm import tqdm
 
 from ladder.cuda_graph import CudaGraph
@@ -25,13 +26,10 @@ class Run(contextlib.AbstractContextManager):
         self.args, self.evaluate, self.record_video, self.k = args, evaluate, record_video, args.num_seeds
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.all = Seeds(args, self.rank, self.world_size)  # the run's seeds: one, or K
-        self.progress, self.runs, self.dir, self.looping, self.stopping = self.all.progress, self.all.runs, None, 0, 0
+        self.progress, self.runs, self.dir, self.stopping = self.all.progress, self.all.runs, None, 0
         self.first_iteration, self.clock, self.setup = 1, time.perf_counter(), {}  # setup: summary.json's setup_parts
         self.signals = Signals(self.note, lambda: args.compile and self.progress.iteration < self.first_iteration)
-
-    def seeds(self):
-        """`for seed in run.seeds():` around the set-up, which builds each seed's objects up to its `run.start`."""
-        yield from (flags.seed for flags in self.all.flags)
+        self.seeds = [flags.seed for flags in self.all.flags]  # `for seed in run.seeds:` builds each seed's objects
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
         """A seed's objects (`stateful`: yours by name, tensors or objects with a state_dict), restored by --resume or
@@ -65,16 +63,15 @@ class Run(contextlib.AbstractContextManager):
         """`fn`, an iteration's device work, as one call for the K seeds (vmapped, --compile'd; GPU: a CUDA graph)."""
         call = lambda *args: self.stack.call(fn, *args, compile=self.args.compile)
         call.__name__ = f"{fn.__name__} of {self.k} seeds"
-        return CudaGraph(call, self) if self.device.type in CudaGraph.devices else call
+        return CudaGraph(call, self)
 
     def note(self, message: str) -> None:
         """One line to stderr that does not break the progress bar (rank 0's only, under torchrun)."""
         if self.rank == 0:
             tqdm.write(f"note: {message}", file=sys.stderr)
 
-    def log(self, env_steps: int, stats: dict[str, torch.Tensor], episodes, rollout=None) -> bool:
-        """An iteration's logs, in one host read for all seeds and ranks: `episodes` (ended, return, length), tensors
-        of one shape. FloatingPointError on a NaN loss; True once every seed is at the target."""
+    def log(self, env_steps: int, stats: dict[str, torch.Tensor], episodes) -> None:
+        """An iteration's logs, one host read for all seeds and ranks; FloatingPointError on a NaN loss."""
         for tag, value in stats.items():  # a number each (a seed's own sum of a stacked x: x.flatten(1).sum(1))
             if value.numel() != self.k:
                 each = "a number" if self.k == 1 else f"one number per seed under --num-seeds {self.k}"
@@ -84,49 +81,72 @@ class Run(contextlib.AbstractContextManager):
         values = torch.stack(list(stats.values()), -1).reshape(self.k, -1).float()
         episodes = torch.cat([x.reshape(self.k, -1).float() for x in episodes], 1)  # (ended, return, length)
         numbers = torch.cat((head.expand(self.k, 3), values, episodes), 1).cpu().numpy()  # the one host read
-        if self.world_size > 1:  # every rank's numbers, to every rank
+        if self.world_size > 1:  # every rank's numbers to every rank, as one: steps summed, any's stop, mean losses
             dist.all_gather_object(ranks := [None] * self.world_size, numbers[0])
-            numbers = of_all_ranks(ranks, len(stats))
-        p, now, a = self.progress, time.perf_counter(), self.args
-        compiling = a.compile and p.iteration + 1 == self.first_iteration  # LeanRL's burn-in: not training time
+            head, n = [sum(r[0] for r in ranks), max(r[1] for r in ranks), ranks[0][2]], len(stats)
+            episodes = np.concatenate([r[3 + n :].reshape(3, -1) for r in ranks], axis=1).reshape(-1)
+            numbers = np.concatenate((head, np.mean([r[3 : 3 + n] for r in ranks], axis=0), episodes))[None]
+        p, now = self.progress, time.perf_counter()
+        compiling = self.args.compile and p.iteration + 1 == self.first_iteration  # LeanRL's burn-in: not training time
         tags, columns = p.record(numbers, list(stats), None if compiling else now - self.clock, self.threshold)
         if compiling:
             self.note(f"--compile: iteration {p.iteration} took {now - self.clock:.1f} s (compilation), not counted")
             self.setup["compiled"] = now - self.clock
-        self.clock, mean = now, p.mean()
-        for seed in np.nonzero((mean >= a.target_return) & ~p.target_reached)[0] if a.target_return is not None else ():
-            ok, seconds = self.all.confirmed(self.runs[seed], mean[seed], self.evaluate, self.note, self.device)
-            p.target_reached[seed], self.clock = ok, self.clock + seconds  # a seed of K trains on; not training time
-        if self.rank == 0:  # the outputs (a video, TensorBoard) are not training time either
-            self.all.report(tags, columns, int(numbers[0, 0]), self.total_steps, self.record_video, rollout)
-            self.clock = time.perf_counter()
+        self.clock = now
+        if self.rank == 0:
+            self.all.report(tags, columns, int(numbers[0, 0]), self.total_steps)
+            self.clock = time.perf_counter()  # TensorBoard's writes are not training time, nor are videos, evaluations
         self.stopping = int(numbers[:, 1].max())  # the ranks stop together
-        if not self.looping:  # log called from a loop of the code's own: the end of the iteration is now
-            self.end_of_iteration()
+
+    def film(self, rollout=None) -> None:
+        """--capture-video: every `video-interval` iterations, a video of the first seed's greedy policy."""
+        a, p = self.args, self.progress
+        if self.rank == 0 and a.capture_video and a.video_interval and (p.iteration - 1) % a.video_interval == 0:
+            if self.k > 1:  # the first seed's rollout
+                rollout = pytree.tree_map(lambda x: x[0] if torch.is_tensor(x) else x, rollout)
+            self.runs[0].film(self.record_video, rollout)
+            self.clock = time.perf_counter()
+
+    def target_reached(self) -> bool:
+        """Whether every seed's last 100 episodes reach `target-return`, each confirmed by an evaluation of its greedy
+        policy (a sampling one can while its greedy twin drifts off), asked again after 100 more episodes."""
+        p, target, mean = self.progress, self.args.target_return, self.progress.mean()
+        for i in np.nonzero((mean >= target) & ~p.target_reached)[0] if target is not None else ():
+            seed, evaluated = self.runs[i], self.runs[i].args.eval_episodes > 0
+            if not evaluated or p.episodes[i] < seed.next_check:  # without an evaluation the training episodes decide
+                p.target_reached[i] = not evaluated
+                continue
+            seed.next_check = p.episodes[i] + 100
+            reached = f"the last 100 episodes' mean return {mean[i]:.1f} reached the target"
+            self.note(f"{reached}: evaluating the policy to confirm")
+            seed.eval_returns = seed.play(self.evaluate, None) if self.rank == 0 else [-math.inf]
+            ok = torch.tensor(float(np.mean(seed.eval_returns) >= target), device=self.device)
+            if self.world_size > 1:  # the ranks stop together
+                dist.broadcast(ok, src=0)
+            if not ok:
+                self.note(f"the evaluation's mean return is {np.mean(seed.eval_returns):.1f}: training on")
+            p.target_reached[i], self.clock = bool(ok), time.perf_counter()  # the evaluation: not training time
         return bool(p.target_reached.all())
 
-    def iterations(self):
-        """The iterations left (numbered on from a checkpoint's), `run.log` once in each. After the whole loop body (a
-        scheduler's step too), the checkpoint is written when due and a signal stops the run."""
-        if len(self.runs) < self.k:
-            raise UsageError(f"--num-seeds {self.k}: build each seed's objects in `for seed in run.seeds():`")
-        self.looping = True
-        try:
-            while self.progress.global_step < self.total_steps:
-                logged = self.progress.iteration
-                yield logged + 1
-                if self.progress.iteration == logged:
-                    raise UsageError("train() must call run.log(...) once in each iteration of run.iterations()")
-                self.end_of_iteration()
-        finally:
-            self.looping = False
-
-    def end_of_iteration(self) -> None:
-        """The checkpoint every `checkpoint-interval` iterations, then KeyboardInterrupt(signal) if a signal came."""
+    def checkpoint(self) -> None:
+        """checkpoint.pt in each seed's folder, every `checkpoint-interval` iterations (after a signal: at the end)."""
         if self.args.checkpoint_interval and self.progress.iteration % self.args.checkpoint_interval == 0:
-            self.all.checkpoint(self.note)
-        if self.stopping:
-            raise KeyboardInterrupt(self.stopping)
+            if self.stack:  # what each seed's checkpoint reads from its objects first made as the lead's (stacked.py)
+                self.stack.share_lead()
+            for seed in self.runs:
+                seed.save(self.note)
+
+    def iterations(self):
+        """The iterations left (numbered on from a checkpoint's), `run.log` once in each; a signal stops after one."""
+        if len(self.runs) < self.k:
+            raise UsageError(f"--num-seeds {self.k}: build each seed's objects in `for seed in run.seeds:`")
+        while self.progress.global_step < self.total_steps:
+            logged = self.progress.iteration
+            yield logged + 1
+            if self.progress.iteration == logged:
+                raise UsageError("train() must call run.log(...) once in each iteration of run.iterations()")
+            if self.stopping:
+                raise KeyboardInterrupt(self.stopping)
 
     def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
         """Each seed's end, then their aggregate; a signal now ends only the final evaluation."""
@@ -144,15 +164,7 @@ class PerRank:
         self.value = value
 
 
-def of_all_ranks(ranks: list, n: int) -> np.ndarray:
-    """The torchrun ranks' rows of `log` as one: steps summed, any's stop signal, mean losses, all episodes."""
-    head = [sum(r[0] for r in ranks), max(r[1] for r in ranks), ranks[0][2]]
-    episodes = np.concatenate([r[3 + n :].reshape(3, -1) for r in ranks], axis=1).reshape(-1)
-    return np.concatenate((head, np.mean([r[3 : 3 + n] for r in ranks], axis=0), episodes))[None]
-
-
 def check_objects(objects: dict, args) -> None:
-    """What `run.start` is given, checked before anything is built on it (one line each)."""
     if odd := [k for k, v in objects.items() if k != "envs" and not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
         raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
     optimizer = objects["optimizer"]

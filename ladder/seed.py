@@ -109,12 +109,10 @@ class Seed:
                 write_atomically(os.path.join(self.dir, "checkpoint.pt"), saved)
 
     def play(self, evaluate, video):
-        """The returns of `evaluate` played greedily on the seed's own objects."""
         with self.own():
             return greedy(evaluate, self.objects["agent"], self.objects["envs"], self.args, video)
 
     def film(self, record_video, rollout) -> None:
-        """A video of the policy as it is now (`record_video`, greedy), to the run folder and W&B."""
         path = os.path.join(self.dir, "videos", f"training_iter{self.progress.iteration:05d}.mp4")
         if greedy(record_video, self.objects["agent"], self.objects["envs"], rollout, self.args, path):
             self.outputs.video(path, "videos/training")
@@ -180,7 +178,6 @@ def summary(seed: Seed, status: str, setup: dict) -> dict:
 
 
 def result_line(summary: dict) -> str:
-    """A run's result in one line, after its status."""
     shown = "total_env_steps wall_seconds mean_sps mean_return_last_100 solved_at_step eval_mean_return".split()
     number = lambda value: f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
     text = ", ".join(f"{key} {number(summary[key])}" for key in shown if summary[key] is not None)

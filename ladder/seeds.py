@@ -6,10 +6,7 @@ import os
 import time
 from dataclasses import asdict, replace
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from ladder.checkpoint import read_summary
 from ladder.flags import UsageError, script_file
@@ -31,11 +28,12 @@ class Seeds:
     def add(self, objects: dict, per_rank: set, obs, total_steps: int, note):
         """The next seed's run opened; the last's stacks the K seeds and their observations (`None` before)."""
         if len(self.runs) == self.k:
-            raise UsageError(f"run.start is called once for each of {self.k} seeds, in `for seed in run.seeds():`")
+            raise UsageError(f"run.start is called once for each of {self.k} seeds, in `for seed in run.seeds:`")
         flags, script = self.flags[len(self.runs)], script_file(type(self.args))
         seed = Seed(len(self.runs), flags, script, self.progress, self.rank, self.world_size)
         self.runs.append(seed)
-        self.observations.append(seed.open(objects, per_rank, obs, total_steps, note if seed.index == 0 else quiet))
+        say = note if seed.index == 0 else lambda message: None  # seeds 2 to K: the first seed's notes say it for all
+        self.observations.append(seed.open(objects, per_rank, obs, total_steps, say))
         if len(self.runs) < self.k or self.k == 1:
             return self.observations[-1]
         if len({run.saved and run.saved["counters"]["iteration"] for run in self.runs}) > 1:
@@ -45,17 +43,14 @@ class Seeds:
         write_aggregate(self.dir, [run.dir for run in self.runs], self.args, final=False)
         return None if obs is None else torch.stack(self.observations)
 
-    def report(self, tags: list, columns, steps: int, total_steps: int, record_video, rollout) -> None:
-        """Rank 0's outputs of an iteration: each seed's scalars (written every 10 s), progress, the first's video."""
-        p, a = self.progress, self.args
+    def report(self, tags: list, columns, steps: int, total_steps: int) -> None:
+        """Rank 0's outputs of an iteration: each seed's scalars (written every 10 s) and the progress bar."""
+        p = self.progress
         self.rows.append((p.global_step, tags, columns))
         if time.perf_counter() - self.flushed >= 10.0:  # TensorBoard's own writer keeps events up to 120 s anyway
             self.flush()
         recent, label = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})", "seed 1: " if self.k > 1 else ""
         self.runs[0].outputs.show(steps, p.global_step, total_steps, p.sps(), recent, label)
-        if a.capture_video and a.video_interval and (p.iteration - 1) % a.video_interval == 0:
-            first = lambda x: x[0] if torch.is_tensor(x) else x  # the first seed's rollout
-            self.runs[0].film(record_video, rollout if self.k == 1 else pytree.tree_map(first, rollout))
 
     def flush(self) -> None:
         """The scalars since the last flush to each seed's TensorBoard and W&B (a NaN statistic: no value)."""
@@ -64,45 +59,26 @@ class Seeds:
             run.outputs.write([(step, numbers(tags, row[seed])) for step, tags, row in self.rows])
         self.rows, self.flushed = [], time.perf_counter()
 
-    def checkpoint(self, note) -> None:
-        """Each seed's checkpoint, what each reads from its own objects first made as the lead's (stacked.py)."""
-        self.stack.share_lead() if self.stack else None
-        for run in self.runs:
-            run.save(note)
-
-    def confirmed(self, seed: Seed, mean: float, evaluate, note, device) -> tuple[bool, float]:
-        """Whether the greedy policy reaches the target too (a sampling one can while its greedy twin drifts off),
-        asked again after 100 more episodes, and the seconds spent."""
-        episodes, target, start = self.progress.episodes[seed.index], self.args.target_return, time.perf_counter()
-        if not seed.args.eval_episodes or episodes < seed.next_check:
-            return not seed.args.eval_episodes, 0.0  # without an evaluation the training episodes decide
-        seed.next_check = episodes + 100
-        note(f"the last 100 episodes' mean return {mean:.1f} reached the target: evaluating the policy to confirm")
-        seed.eval_returns = seed.play(evaluate, None) if self.rank == 0 else [-math.inf]
-        ok = torch.tensor(float(np.mean(seed.eval_returns) >= target), device=device)
-        if self.world_size > 1:  # the ranks stop together
-            dist.broadcast(ok, src=0)
-        if not ok:
-            note(f"the evaluation's mean return is {np.mean(seed.eval_returns):.1f}: training on")
-        return bool(ok), time.perf_counter() - start
-
     def finish(self, exc_type, exc, stopped: bool, setup: dict, evaluate, note) -> None:
         """Each seed's end (its checkpoint, model, evaluation, summary.json, result line), then their aggregate."""
         at_end = isinstance(exc, KeyboardInterrupt) and len(exc.args) == 1  # at an iteration's end, by a signal
         causes = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss", UsageError: "refused"}
         status = causes.get(exc_type, "error") if exc else "evaluated" if self.args.eval_only else "completed"
         whole = (exc is None or at_end) and len(self.runs) == self.k  # the state is whole: a checkpoint
-        self.stack.share_lead() if self.stack and whole else None
-        self.flush() if self.rank == 0 and self.rows else None
+        if self.stack and whole:
+            self.stack.share_lead()
+        if self.rows:  # (rank 0's: it alone reports)
+            self.flush()
         for seed, run in enumerate(self.runs):
             reached = status == "completed" and self.progress.target_reached[seed]
             status_k = "target return reached" if reached else status
-            run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else quiet)
+            run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else lambda message: None)
         if self.k > 1 and self.rank == 0 and len(self.runs) == self.k:
             write_aggregate(self.dir, [run.dir for run in self.runs], self.args, final=True)
         if at_end and self.runs and self.runs[0].checkpointed >= 0:
             exc.resume = self.dir or self.runs[0].dir  # main's last line: the command that goes on
-        self.stack.release() if self.stack else None  # the objects train() returns: the last seed's own state
+        if self.stack:  # the objects train() returns: the last seed's own state
+            self.stack.release()
 
 
 def seeds_flags(args, world_size: int) -> tuple:
@@ -151,7 +127,3 @@ def write_aggregate(folder: str, dirs: list[str], args, final: bool) -> None:
         json.dump({"run_dirs": dirs, "num_seeds": len(dirs), **agg, "args": asdict(args)}, f, indent=2)
     if final and summaries:
         print(f"{len(dirs)} seeds: {line(agg)}; outputs in {folder}")
-
-
-def quiet(message: str) -> None:
-    """No note (seeds 2 to K: the first seed's notes say it for all)."""

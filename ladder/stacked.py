@@ -68,8 +68,7 @@ class Stacked:
                     objects[name].load_state_dict(lead.state_dict())
 
     def one_by_one(self, fn, *args):
-        """`fn(*args)` for each seed in turn, its own objects and rows in place of the lead's in `args`; the results
-        stacked: what vmap cannot run (Brax's envs, which step in JAX)."""
+        """`fn(*args)` for each seed in turn on its objects and rows (what vmap cannot run: Brax's envs), stacked."""
         self.sync()
         names, outs = {id(obj): name for name, obj in self.lead.items()}, []
         leaves, spec = pytree.tree_flatten(args)
@@ -82,9 +81,8 @@ class Stacked:
         return stacked_results(outs)
 
     def call(self, fn, *args, compile: bool = False):
-        """`fn(*args)` for all K seeds in one vmapped call made once per layout of `args` (tensors stacked [K, ...];
-        `compile`: one graph, as torch.compile cannot run inside vmap); the state it left copied into the stack. The
-        results are contiguous, each in memory of its own (a compiled call given another layout compiles again)."""
+        """`fn(*args)` for all K seeds in one vmapped call, made once per layout of `args` (tensors [K, ...]; `compile`:
+        one graph), the state it left copied into the stack; the results contiguous (compiled: once per layout)."""
         self.sync()
         leaves, spec = pytree.tree_flatten(args)
         if bad := [x for x in leaves if torch.is_tensor(x) and (x.dim() == 0 or x.shape[0] != self.k)][:1]:
@@ -140,7 +138,10 @@ def value_at(place):
 
 
 def place_value(place, value) -> None:
-    place[0].__setitem__(place[1], value) if isinstance(place[0], dict) else setattr(*place, value)
+    if isinstance(place[0], dict):
+        place[0][place[1]] = value
+    else:
+        setattr(*place, value)
 
 
 def place_values(places: list, values: list, adams: list) -> None:
@@ -164,7 +165,6 @@ def copy_replaced(places: list, values: list) -> None:
 
 
 def stacked_results(outs: list):
-    """The seeds' results, each a tree of the same structure: their tensors stacked, [K, ...]."""
     leaves, specs = zip(*map(pytree.tree_flatten, outs))
     return pytree.tree_unflatten([torch.stack(c) if torch.is_tensor(c[0]) else c[0] for c in zip(*leaves)], specs[0])
 
@@ -176,6 +176,8 @@ def refusing(call, *args):
     except RuntimeError as e:
         if not any(word in str(e) for word in ("vmap", "functorch", "batched")):
             raise
-        where = your_line(traceback.extract_tb(e.__traceback__))
-        message = f"--num-seeds: {str(e).splitlines()[0][:160]} ({where}); see docs/modifying.md#many-seeds"
+        where, cause = your_line(traceback.extract_tb(e.__traceback__)), str(e).splitlines()[0][:160]
+        if "backward() called inside a functorch transform" in cause:  # CleanRL's update
+            cause = "loss.backward() cannot run vmapped: take the gradient with optimizer.backward(loss_fn, agent, ...)"
+        message = f"--num-seeds: {cause} ({where}); see docs/modifying.md#many-seeds"
         raise UsageError(message) from None

@@ -41,7 +41,6 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
 
 
 def line(agg: dict) -> str:
-    """The aggregate in one line."""
     steps, evals = "none solved", "no evaluation"
     if agg["solved"]:
         (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]

@@ -392,7 +392,7 @@ def small_args(module, **flags):
 
 def train_seeds(module, args) -> list:
     """`module.train(args)` with --num-seeds K as main() runs it: each seed's agent (its own objects, built by its pass
-    of `for seed in run.seeds():`, holding its own state after the run)."""
+    of `for seed in run.seeds:`, holding its own state after the run)."""
     agents, start = [], module.Run.start
 
     def recording(self, agent, *rest, **stateful):

@@ -59,8 +59,8 @@ class SGD(Adam):
     """Plain SGD on ladder's flat parameters (its step written out, as Adam's): each weight moves by lr times its
     gradient."""
 
-    def step(self, grad: torch.Tensor) -> None:
-        for group, p, g in zip(self.param_groups, self.flat.split(self.sizes), grad.split(self.sizes)):
+    def step(self, closure=None) -> None:
+        for group, p, g in zip(self.param_groups, self.flat.split(self.sizes), self.flat_grad().split(self.sizes)):
             p.sub_(group["lr"] * g)
 
 
@@ -85,14 +85,14 @@ def with_a_second_network(args, average: bool) -> dict:
     each iteration to a fixed random target on the rollout's observations, both given to `run.start` and built after
     the seed (`--seed + rank`: they start different on each rank); with `average`, the predictor's gradients go
     through `average_gradients`. Returns both networks' final weights."""
-    real_start, real_log, nets = P.Run.start, P.Run.log, {}
+    real_start, real_film, nets = P.Run.start, P.Run.film, {}
 
     def start(self, *a, **k):
         nets["target"], nets["predictor"] = P.mlp(4, 8, out_std=1.0), P.mlp(4, 8, out_std=1.0)
         nets["optimizer"] = torch.optim.Adam(nets["predictor"].parameters(), lr=1e-2)
         return real_start(self, *a, **k, target=nets["target"], predictor=nets["predictor"])
 
-    def log(self, env_steps, stats, episodes, rollout):
+    def film(self, rollout=None):  # (called after run.log in every iteration, with the rollout)
         obs = rollout.obs.flatten(0, 1)
         loss = (nets["predictor"](obs) - nets["target"](obs).detach()).square().mean()
         nets["optimizer"].zero_grad()
@@ -100,13 +100,13 @@ def with_a_second_network(args, average: bool) -> dict:
         if average:
             average_gradients(nets["predictor"])
         nets["optimizer"].step()
-        return real_log(self, env_steps, stats, episodes, rollout)
+        return real_film(self, rollout)
 
-    P.Run.start, P.Run.log = start, log
+    P.Run.start, P.Run.film = start, film
     try:
         P.train(args)
     finally:
-        P.Run.start, P.Run.log = real_start, real_log
+        P.Run.start, P.Run.film = real_start, real_film
     return {name: nets[name].state_dict() for name in ("target", "predictor")}
 
 
@@ -137,25 +137,25 @@ def with_state_per_rank(args, per_rank: bool, stop_at: int = 0):
     """`P.train(args)` with a running mean of this rank's own observations (as a recurrent policy's hidden state is
     this rank's own) that the loss reads, given to `run.start` as `PerRank` (else as a plain tensor); with `stop_at`,
     stopped after that iteration (a signal on every rank), then resumed. Returns the agent."""
-    real_start, real_log, real_loss, box = P.Run.start, P.Run.log, P.ppo_loss, {}
+    real_start, real_film, real_loss, box = P.Run.start, P.Run.film, P.ppo_loss, {}
 
     def start(self, *a, **k):
         box["mean"] = torch.zeros(4)
         return real_start(self, *a, **k, obs_mean=PerRank(box["mean"]) if per_rank else box["mean"])
 
-    def log(self, env_steps, stats, episodes, rollout):
+    def film(self, rollout=None):  # (called after run.log in every iteration, with the rollout)
         box["mean"].mul_(0.5).add_(rollout.obs.mean((0, 1)), alpha=0.5)  # differs by rank: their envs differ
-        return real_log(self, env_steps, stats, episodes, rollout)
+        return real_film(self, rollout)
 
     def loss(agent, args, batch):
         value, stats = real_loss(agent, args, batch)
         return value + 1e-2 * (agent.critic(box["mean"]).square().mean()), stats
 
-    P.Run.start, P.Run.log, P.ppo_loss = start, log, loss
+    P.Run.start, P.Run.film, P.ppo_loss = start, film, loss
     try:
         return stopped_and_resumed(P, args, stop_at)
     finally:
-        P.Run.start, P.Run.log, P.ppo_loss = real_start, real_log, real_loss
+        P.Run.start, P.Run.film, P.ppo_loss = real_start, real_film, real_loss
 
 
 def main(out: str) -> None:

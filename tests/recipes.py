@@ -278,6 +278,69 @@ POLYAK_TARGET = [
 not among the parameters ladder's Adam takes of the agent."""
 
 RECIPES = {"observation normalisation": OBSERVATION_NORMALISATION, "RND": RND, "Polyak target": POLYAK_TARGET}
+
+# docs/modifying.md's "Coming from CleanRL": CleanRL's update lines in gradient_step, with ladder's Adam or torch's
+CLEANRL_UPDATE = [
+    (
+        """    optimizer.zero_grad()
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
+    average_gradients(agent)  # data parallel under torchrun
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
+""",
+        """    loss, stats = loss_fn(agent, args, minibatch)
+    optimizer.zero_grad()
+    loss.backward()
+    average_gradients(agent)  # data parallel under torchrun
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+""",
+    ),
+]
+ADAM_LINE = "            optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3\n"
+TORCH_SGD = CLEANRL_UPDATE + [
+    (
+        ADAM_LINE,
+        "            lr = torch.tensor(args.learning_rate, device=device)  # a tensor: --anneal-lr sets it in place\n"
+        "            optimizer = torch.optim.SGD(agent.parameters(), lr=lr, momentum=0.9, foreach=False)\n",
+    )
+]
+STEP_ANCHOR = "def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:\n"
+FLAT_SGD = [
+    (
+        STEP_ANCHOR,
+        '''class SGD(Adam):
+    """SGD with momentum on ladder's flat vector: Adam's parameters, backward and state (the velocity: exp_avg)."""
+
+    def step(self, closure=None):
+        grad, velocity = self.flat_grad(), self.state["flat"]["exp_avg"]
+        for group, p, g, v in zip(self.param_groups, *(x.split(self.sizes) for x in (self.flat, grad, velocity))):
+            v.mul_(0.9).add_(g)
+            p.sub_(group["lr"] * v)
+
+
+'''
+        + STEP_ANCHOR,
+    ),
+    (ADAM_LINE, "            optimizer = SGD(agent, lr=args.learning_rate)\n"),
+]
+FLAT_RMSPROP = [
+    (
+        STEP_ANCHOR,
+        '''class RMSprop(Adam):
+    """RMSprop on ladder's flat vector: Adam's parameters, backward and state (the squares' average: exp_avg_sq)."""
+
+    def step(self, closure=None):
+        grad, square_avg = self.flat_grad(), self.state["flat"]["exp_avg_sq"]
+        for group, p, g, v in zip(self.param_groups, *(x.split(self.sizes) for x in (self.flat, grad, square_avg))):
+            v.mul_(0.99).add_(g * g, alpha=0.01)
+            p.sub_(group["lr"] * g / (v.sqrt() + group["eps"]))
+
+
+'''
+        + STEP_ANCHOR,
+    ),
+    (ADAM_LINE, "            optimizer = RMSprop(agent, lr=args.learning_rate, eps=1e-5)\n"),
+]
+CLEANRL = {"CleanRL's update": CLEANRL_UPDATE, "torch.optim.SGD": TORCH_SGD, "SGD": FLAT_SGD, "RMSprop": FLAT_RMSPROP}
 ALL_THREE = OBSERVATION_NORMALISATION + RND[1:] + POLYAK_TARGET
 """The three recipes in one copy (RND's `RunningMeanStd`: the first's)."""
 

@@ -68,8 +68,10 @@ def assert_same_training(eager, compiled, resumed) -> None:
 
 
 # An edit to the gradient step -----------------------------------------------------------------
-NO_STEP = [("    grad = mean_over_ranks(grad)  # data parallel under torchrun\n",
-            "    grad = mean_over_ranks(grad) * 0.0  # the edit: no gradient, so no step\n")]  # fmt: skip
+NO_STEP = [("    average_gradients(agent)  # data parallel under torchrun\n",
+            "    average_gradients(agent)  # data parallel under torchrun\n"
+            "    for p in agent.parameters():\n"
+            "        p.grad.mul_(0.0)  # the edit: no gradient, so no step\n")]  # fmt: skip
 
 
 @pytest.mark.behaviour
@@ -206,8 +208,9 @@ def two_adam_optimizers(module, monkeypatch) -> dict:
     def gradient_step(agent, optimizer, loss_fn, args, batch, idx=None):
         stats = real_step(agent, optimizer, loss_fn, args, batch, idx)
         minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
-        grad, _ = box["second"].gradient(loss_fn, agent, args, minibatch)
-        box["second"].step(grad)
+        box["second"].zero_grad()
+        box["second"].backward(loss_fn, agent, args, minibatch)
+        box["second"].step()
         return stats
 
     monkeypatch.setattr(module, "Adam", make)
@@ -237,12 +240,12 @@ def test_two_optimizers_train_alike_compiled_resumed_and_stacked(name, in_tmp, m
         stacked_stopped_and_resumed(module, args, in_tmp / "stacked", monkeypatch)
 
 
+# docs/modifying.md's recipe, as tests/recipes.py writes it (test_cleanrl.py checks the two alike)
 class SGD(Adam):
-    """Another optimizer, as docs/modifying.md writes one: SGD with momentum on ladder's flat parameters, its step
-    written out (the first moment its velocity)."""
+    """SGD with momentum on ladder's flat vector: Adam's parameters, backward and state (the velocity: exp_avg)."""
 
-    def step(self, grad: torch.Tensor) -> None:
-        velocity = self.state["flat"]["exp_avg"]
+    def step(self, closure=None):
+        grad, velocity = self.flat_grad(), self.state["flat"]["exp_avg"]
         for group, p, g, v in zip(self.param_groups, *(x.split(self.sizes) for x in (self.flat, grad, velocity))):
             v.mul_(0.9).add_(g)
             p.sub_(group["lr"] * v)
@@ -263,7 +266,7 @@ def auxiliary_phase(module, monkeypatch) -> dict:
     """A PPG-style auxiliary phase (Cobbe et al. 2021): the agent gets a head the loss does not use, with an Adam of
     its own (given to `run.start`), trained after every second iteration by two gradient steps on the rollout's
     observations (a value-like target); the policy's Adam holds the rest. Returns {"aux_steps": how many it took}."""
-    real_log, real_start, box, Agent = module.Run.log, module.Run.start, {"aux_steps": 0}, module.Agent
+    real_film, real_start, box, Agent = module.Run.film, module.Run.start, {"aux_steps": 0}, module.Agent
 
     class WithAuxHead(Agent):
         def __init__(self, obs_dim, *args):
@@ -278,18 +281,19 @@ def auxiliary_phase(module, monkeypatch) -> dict:
     def aux_loss(agent, obs):
         return (agent.aux_head(obs).squeeze(-1) - obs[:, 0]).square().mean(), {}
 
-    def log(self, env_steps, stats, episodes, rollout=None):
-        if self.progress.iteration % 2 == 1:  # the iteration being logged is the counter's next: every second
+    def film(self, rollout=None):  # (called after run.log in every iteration, with the rollout)
+        if self.progress.iteration % 2 == 0:  # every second iteration
             for _ in range(2):
-                grad, _ = box["aux"].gradient(aux_loss, self.agent, rollout.obs.flatten(0, -2))
-                box["aux"].step(grad)
+                box["aux"].zero_grad()
+                box["aux"].backward(aux_loss, self.agent, rollout.obs.flatten(0, -2))
+                box["aux"].step()
                 box["aux_steps"] += 1
-        return real_log(self, env_steps, stats, episodes, rollout)
+        return real_film(self, rollout)
 
     monkeypatch.setattr(module, "Agent", WithAuxHead)
     monkeypatch.setattr(module, "Adam", make)
     monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: real_start(self, *a, **k, aux=box["aux"]))
-    monkeypatch.setattr(module.Run, "log", log)
+    monkeypatch.setattr(module.Run, "film", film)
     return box
 
 
@@ -1040,7 +1044,7 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
 
 @pytest.mark.parametrize("change, message", [
     ("sgd", "--num-seeds: the seeds' optimizer must be ladder.optim.Adam, whose step vmap runs"),
-    ("backward", "--num-seeds: backward() called inside a functorch transform"),
+    ("backward", "--num-seeds: loss.backward() cannot run vmapped: take the gradient with optimizer.backward("),
     ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
     ("metric", "stats['charts/weight_sum'] has shape (); run.log takes one number per seed under --num-seeds 2"),
 ])  # fmt: skip

@@ -69,7 +69,8 @@ def test_a_default_run_does_not_import_torch_dynamo(tmp_path):
         "import sys, torch; sys.path.insert(0, {root!r}); import ppo_cartpole_gpu as P; from ladder.optim import Adam; "
         "agent = P.Agent(4, 2); optimizer = Adam(agent, lr=1e-3); "
         "loss = lambda agent, obs: (agent.get_value(obs).square().mean(), {{}}); "
-        "optimizer.step(optimizer.gradient(loss, agent, torch.ones(3, 4))[0]); "
+        "optimizer.zero_grad(); optimizer.backward(loss, agent, torch.ones(3, 4)); "
+        "torch.nn.utils.clip_grad_norm_(agent.parameters(), 0.5, foreach=False); optimizer.step(); "
         "print('torch._dynamo' in sys.modules)"
     ).format(root=ROOT)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)

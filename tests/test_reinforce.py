@@ -63,10 +63,10 @@ def record(monkeypatch, args: R.Args):
         batches.append(type(batch)(*(x.clone() for x in batch)))  # (views of the storage the next rollout fills)
         return gradient_step(agent, optimizer, loss_fn, args, batch, idx)
 
-    def recording_log(run, env_steps, stats, episodes, rollout=None):
+    def recording_log(run, env_steps, stats, episodes):
         ended, returns, lengths = episodes
         logs.append((env_steps, returns[ended].clone(), lengths[ended].clone()))
-        return log(run, env_steps, stats, episodes, rollout)
+        return log(run, env_steps, stats, episodes)
 
     monkeypatch.setattr(R, "collect_episodes", recording_collect)
     monkeypatch.setattr(R, "gradient_step", recording_gradient_step)

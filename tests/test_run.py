@@ -118,7 +118,8 @@ def scripted_run(in_tmp, rollouts, stats=None, evaluate=P.evaluate, **flags):
     with Run(args, evaluate, P.record_video) as run:
         run.start(agent, P.CartPole(4), optimizer, total_steps=1000 * len(rollouts))
         for i, returns in enumerate(rollouts, 1):
-            if run.log(1000, stats, episodes(returns)):
+            run.log(1000, stats, episodes(returns))
+            if run.target_reached():
                 stopped_at = i
                 break
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
