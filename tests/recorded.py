@@ -9,8 +9,11 @@ baseline, in a commit of its own that says why). The runs are short (a few itera
 Baselines: 1fff926 (issue 45, before the machinery moved into ladder/); 8e5a547 (issue 56: ladder's flat Adam, the
 noise of K seeds drawn in one call, argsort permutations and REINFORCE's masked batch changed the numbers); 64108f6
 (issue 57: Atari's batch keeps its reset steps, masked, so its minibatches split other rows; the other scripts'
-scalars came out as at 8e5a547). The
-1fff926 checkpoint stays, as a checkpoint of the format before ladder's Adam, which a resume refuses in one line."""
+scalars came out as at 8e5a547); 7d5ec2e (issue 65: the gradient clipped by clip_grad_norm_, whose norm of
+per-parameter norms rounds otherwise than the flat vector's norm: Atari's policy loss moved by 1.3e-5, the other
+scripts' scalars within the tolerance). The 1fff926 checkpoint stays, as a checkpoint of the format before ladder's
+Adam, which a resume refuses in one line; the 64108f6 one, as the flat Adam's state before torch's state_dict, which
+a resume still reads."""
 
 from __future__ import annotations
 
@@ -27,12 +30,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-BASELINE = "64108f6"
+BASELINE = "7d5ec2e"
 SCALARS = os.path.join(DATA, f"recorded_{BASELINE}.json")
 STOPPED = os.path.join(DATA, f"ppo_stopped_{BASELINE}")
 """The run folder (its checkpoint.pt and summary.json) of PPO's `RESUMED` run stopped after iteration 2."""
 OLD_FORMAT = os.path.join(DATA, "ppo_stopped_1fff926")
 """The same, written before ladder's flat Adam: its optimizer state is torch's Adam's, per parameter."""
+FLAT_BEFORE_STATE_DICT = os.path.join(DATA, "ppo_stopped_64108f6")
+"""The same, written by ladder's flat Adam before its state_dict was torch's (the moments at "state" itself)."""
 
 # Each script's defaults, seed 1, for a few iterations (REINFORCE: rollouts). Brax on inverted_pendulum with 16 envs
 # rather than ant with 2,048: the same code, without ant's 80 s of JAX compilation on a CPU (16 envs: the evaluation's

@@ -325,11 +325,13 @@ def test_defaults_log_the_scalars_recorded_at_the_baseline(config, tmp_path):
     assert_scalars_as_recorded(now, recorded_scalars()[config], config)
 
 
-def test_a_checkpoint_written_at_the_baseline_resumes_as_one_run(tmp_path, capsys):
-    """PPO's checkpoint of a run stopped after iteration 2 of 4, written at the baseline commit, resumes; iterations
-    3-4 log what the run straight through logged then."""
+@pytest.mark.parametrize("stopped", [recorded.STOPPED, recorded.FLAT_BEFORE_STATE_DICT], ids=["baseline", "64108f6"])
+def test_a_checkpoint_written_at_the_baseline_resumes_as_one_run(stopped, tmp_path, capsys):
+    """PPO's checkpoint of a run stopped after iteration 2 of 4, written at the baseline commit (and at 64108f6, with
+    the flat Adam's state before its state_dict was torch's), resumes; iterations 3-4 log what the run straight
+    through logged then."""
     folder = tmp_path / "runs" / "CartPole-v1__cut__1__1"
-    shutil.copytree(recorded.STOPPED, folder)
+    shutil.copytree(stopped, folder)
     ppo = import_script("ppo_cartpole_gpu")
     args = ppo.Args(device="cpu", progress_bar=False, exp_name="cut", resume=str(folder), **recorded.RESUMED)
     threads, here = torch.get_num_threads(), os.getcwd()
