@@ -285,3 +285,22 @@ def test_the_layernorm_dropout_copy_trains_compiled_as_eager_on_cuda(num_seeds, 
     compiled = train_seeds_of(module, replace(args, compile=True, exp_name="compiled"))
     for k in range(num_seeds):
         assert_same_agents(compiled[k], eager[k], "compiled", atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_cleanrls_update_recorded_on_cuda_equals_the_loop(compile, in_tmp, capsys):
+    """docs/modifying.md's "Coming from CleanRL": CleanRL's `loss.backward()` with ladder's Adam, recorded as a CUDA
+    graph and replayed (and compiled), against the loop: bit for bit eager, within float tolerance compiled. Built
+    with no GPU lent (tests/test_cleanrl.py covers the CPU's emulation): run here first."""
+    from recipes import CLEANRL_UPDATE, recipe_copy
+
+    module = recipe_copy(os.path.join(ROOT, "ppo_cartpole_gpu.py"), str(in_tmp), CLEANRL_UPDATE, "cleanrl")
+    torch._dynamo.reset()
+    graphed, loop, notes = recorded_and_not(module, small_args(module, device="cuda"), in_tmp, capsys, compile=compile)
+    assert len(notes) == 1 and notes[0].startswith("note: --cuda-graph: recorded one_iteration as one CUDA graph"), (
+        notes
+    )
+    if compile:
+        assert_same_agents(graphed, loop, "compiled", atol=2e-4, rtol=1e-3)
+    else:
+        assert_same_agents(graphed, loop, "compiled", exact=True)
