@@ -63,7 +63,7 @@ class Adam(torch.optim.Optimizer):
         if isinstance(held[0], nn.Parameter) and not untraceable:
             loss, stats = loss_fn(module, *args)
             grads = torch.autograd.grad(loss, held, allow_unused=True)
-        else:  # (an older torch's dynamo cannot trace torch.autograd.grad either)
+        else:  # vmapped (autograd cannot run there), or compiled by a torch whose dynamo cannot trace autograd.grad
 
             def loss_in(flat):
                 own = self.swap(flat)
@@ -81,7 +81,7 @@ class Adam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # torch's is one a compiled graph cannot hold
         for p in self.module.parameters():  # all the module's: a clip of them then counts no other optimizer's
-            p.grad = None
+            p.grad = None if set_to_none or p.grad is None else p.grad.zero_()
 
     def flat_grad(self) -> torch.Tensor:
         """The held parameters' `.grad` (where the module holds them: vmapped, the seed's; none: zero) as one vector."""

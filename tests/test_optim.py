@@ -12,6 +12,7 @@ import torch._dynamo
 
 from conftest import ROOT, assert_same_agents, import_script
 from ladder.compile import compiled
+from ladder.flags import UsageError
 from ladder.optim import Adam
 
 
@@ -75,3 +76,41 @@ def test_a_default_run_does_not_import_torch_dynamo(tmp_path):
     ).format(root=ROOT)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+@pytest.mark.quick
+def test_adam_keeps_torch_optimizers_contract():
+    """ladder's Adam as torch.optim's: step(closure) returns the closure's loss and steps on the `.grad` it left,
+    zero_grad() sets None (or zeros with set_to_none=False), state_dict's hooks run, an lr scheduler sets the rate in
+    place; a step or load hook is refused in one line (the step is compiled and vmapped), and so is a step with no
+    gradient (torch's would skip it silently)."""
+    P = import_script("ppo_cartpole_gpu")
+    torch.manual_seed(0)
+    agent = P.Agent(4, 2)
+    optimizer = Adam(agent, lr=1e-2)
+    before = [p.detach().clone() for p in agent.parameters()]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = agent.get_value(torch.ones(3, 4)).square().mean()
+        loss.backward()
+        return loss
+
+    assert torch.is_tensor(optimizer.step(closure))
+    assert any(not torch.equal(p, q) for p, q in zip(agent.parameters(), before))
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is None or not p.grad.any() for p in agent.parameters())
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in agent.parameters())
+    seen = []
+    optimizer.register_state_dict_post_hook(lambda opt, state: seen.append(sorted(state["state"])))
+    assert sorted(optimizer.state_dict()) == ["param_groups", "state"] and seen == [["flat"]]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5**epoch)
+    rate = optimizer.param_groups[0]["lr"]
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] is rate and float(rate) == pytest.approx(5e-3)
+    for register in (optimizer.register_step_pre_hook, optimizer.register_load_state_dict_post_hook):
+        with pytest.raises(UsageError, match="runs no step or load hooks"):
+            register(lambda *args: None)
+    with pytest.raises(UsageError, match="found no gradient"):
+        optimizer.step()
