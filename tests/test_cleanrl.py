@@ -2,20 +2,16 @@
 (`loss.backward()` in place of `optimizer.backward(...)`), with ladder's Adam, or torch.optim's SGD with momentum or
 RMSprop, in each mode: it trains as the script does, or stops before training in one line that names the change."""
 
-import contextlib
 import copy as copy_module
 import glob
 import inspect
-import io
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-from conftest import ROOT, assert_close, assert_one_error_line, import_script, small_args
+from conftest import PATHS, ROOT, assert_close, assert_one_error_line, call_main, import_script, run_script, small_args
 from ladder.stacked import Stacked
 from recipes import CLEANRL, CLEANRL_UPDATE, recipe_copy, recipe_diff
 from test_graph import replayed_on_the_cpu
@@ -26,21 +22,12 @@ from test_optim import fixed_batch, torch_step
 SCRIPT = os.path.join(ROOT, "ppo_cartpole_gpu.py")
 
 
-def main_of(module, *flags, cwd):
-    """`python <copy>.py <flags>` in this process: its exit code and what it printed (as conftest.call_main)."""
-    out, err, argv, here, code = io.StringIO(), io.StringIO(), sys.argv, os.getcwd(), 0
-    sys.argv, threads = [module.__file__, *flags], torch.get_num_threads()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            module.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-        err.write(e.code if isinstance(e.code, str) else "")
-    finally:
-        sys.argv, _ = argv, os.chdir(here)
-        torch.set_num_threads(threads)
-    return type("Result", (), dict(returncode=code, stdout=out.getvalue(), stderr=err.getvalue()))
+def main_of(copy, *flags, cwd, monkeypatch):
+    """`python <copy>.py <flags>` by conftest.call_main, its `note:` lines left out (an error is then one line)."""
+    monkeypatch.setitem(PATHS, copy.__name__, copy.__file__)
+    result = call_main(copy.__name__, *flags, cwd=cwd)
+    result.stderr = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("note: "))
+    return result
 
 
 def assert_alike(actual, expected, what: str, **tolerances) -> None:
@@ -67,10 +54,8 @@ def test_cleanrls_update_with_ladders_adam_trains_as_the_script_compiled_and_res
     assert_alike(eager, ours, "loss.backward() against optimizer.backward", atol=1e-5, rtol=1e-4)
     flags = ["--num-envs", "32", "--num-steps", "16", "--total-timesteps", str(32 * 16 * 6), "--eval-episodes", "0"]
     flags += ["--target-return", "None", "--no-progress-bar", "--compile", "--save-model", "--exp-name", "compiled"]
-    env = os.environ | {"PYTHONPATH": ROOT}
-    result = subprocess.run(
-        [sys.executable, copy.__file__, *flags], cwd=in_tmp, env=env, capture_output=True, text=True
-    )
+    monkeypatch.setitem(PATHS, copy.__name__, copy.__file__)
+    result = run_script(copy.__name__, *flags, cwd=in_tmp, env={"PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr
     compiled = copy.Agent(4, 2)
     compiled.load_state_dict(torch.load(glob.glob(str(in_tmp / "runs" / "*__compiled__*" / "*.cleanrl_model"))[0]))
@@ -90,16 +75,15 @@ def test_cleanrls_update_with_ladders_adam_replays_as_a_cuda_graph(in_tmp, monke
 
 
 @pytest.mark.behaviour
-def test_cleanrls_update_under_num_seeds_stops_in_one_line_naming_optimizer_backward(in_tmp):
+def test_cleanrls_update_under_num_seeds_stops_in_one_line_naming_optimizer_backward(in_tmp, monkeypatch):
     """vmap cannot run `loss.backward()`: the run stops at the first iteration in one line that says what to write."""
     copy = recipe_copy(SCRIPT, str(in_tmp), CLEANRL_UPDATE, "cleanrl")
-    result = main_of(copy, *SHORT, "--num-seeds", "2", cwd=in_tmp)
-    result.stderr = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("note:"))
+    result = main_of(copy, *SHORT, "--num-seeds", "2", cwd=in_tmp, monkeypatch=monkeypatch)
     assert_one_error_line(result, "loss.backward() cannot run vmapped: take the gradient with optimizer.backward(")
 
 
 @pytest.mark.behaviour
-def test_a_torch_optimizer_with_cleanrls_update_trains_eager_and_is_refused_in_one_line_elsewhere(in_tmp):
+def test_a_torch_optimizer_with_cleanrls_update_trains_eager_and_is_refused_in_one_line_elsewhere(in_tmp, monkeypatch):
     """torch.optim's SGD with momentum, its rate a tensor that --anneal-lr sets in place: eager it trains (the weights
     move, the losses are finite); --compile stops at its first iteration (torch's zero_grad is one dynamo will not
     trace) and --num-seeds at its start (vmap needs ladder's Adam), each in one line."""
@@ -108,10 +92,10 @@ def test_a_torch_optimizer_with_cleanrls_update_trains_eager_and_is_refused_in_o
     before = torch.cat([p.detach().flatten() for p in copy.Agent(4, 2).parameters()])
     after = torch.cat([p.detach().flatten() for p in copy.train(small_args(copy, eval_episodes=0)).parameters()])
     assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-3
-    compiled = main_of(copy, *SHORT, "--compile", cwd=in_tmp)
-    compiled.stderr = "\n".join(line for line in compiled.stderr.splitlines() if not line.startswith("note:"))
+    compiled = main_of(copy, *SHORT, "--compile", cwd=in_tmp, monkeypatch=monkeypatch)
     assert_one_error_line(compiled, "--compile: torch.optim's zero_grad is one dynamo will not compile: use ladder")
-    assert_one_error_line(main_of(copy, *SHORT, "--num-seeds", "2", cwd=in_tmp), "must be ladder.optim.Adam")
+    stacked = main_of(copy, *SHORT, "--num-seeds", "2", cwd=in_tmp, monkeypatch=monkeypatch)
+    assert_one_error_line(stacked, "must be ladder.optim.Adam")
 
 
 @pytest.mark.parametrize("name", ["SGD", "RMSprop"])

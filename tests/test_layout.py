@@ -33,6 +33,9 @@ from conftest import (
 from ladder.flags import RUN_FLAGS, RunFlags
 from ladder.run import Run
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from reading import density, ladder_names  # noqa: E402  (benchmarks/reading.py: the issue 65 counts)
+
 LADDER = sorted(glob.glob(os.path.join(ROOT, "ladder", "*.py")))
 # what every script carries alike, word for word: the gradient step (the PPO family's update, the CartPole env)
 ALL_SHARED = ["gradient_step"]
@@ -233,9 +236,6 @@ def test_ladder_uses_no_private_torch_name_beyond_its_list():
 def test_the_words_around_the_code_are_at_most_three_tenths_of_it(name):
     """Issue 65: (comment + docstring + inline-comment lines) / code lines <= 0.30 per script, counted as
     benchmarks/reading.py counts (tyro's flag docstrings included); 0.40-0.49 before (d2f7c54)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from reading import density
-
     ratio, words, code = density(text(script_path(name)))
     assert ratio <= 0.30, f"{name}.py: {words} lines of words around {code} of code ({ratio:.3f})"
 
@@ -250,9 +250,6 @@ would have to give). A ratchet: a change may lower a count, and then lowers it h
 def test_a_reader_looks_up_no_more_ladder_names_than_listed(name):
     """Imports from `ladder`, `run.x`, attributes of imported ladder names and the optimizer's calls beyond
     torch.optim.Optimizer's API, counted as benchmarks/reading.py counts them."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from reading import ladder_names
-
     names = ladder_names(text(script_path(name)))
     assert len(names) <= LADDER_NAMES[origin(name)], f"{name}.py: {len(names)} ladder names: {', '.join(names)}"
 
