@@ -370,13 +370,16 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return torch.where(var_returns == 0, torch.nan, 1 - var(returns - values) / var_returns)
 
 
-def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a `step(batch, idx)` on each."""
+def one_epoch(step, batch: Batch, args: Args) -> list[dict[str, torch.Tensor]]:
+    shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
+    return [step(batch, idx) for idx in shuffled.tensor_split(args.num_minibatches)]
+
+
+def update(epoch, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch, each a `step` per shuffled minibatch (detail 6); their mean statistics."""
     history = []
     for _ in range(args.update_epochs):
-        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
-        for idx in shuffled.tensor_split(args.num_minibatches):
-            history.append(step(batch, idx))
+        history += epoch(batch, args)
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
         if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
@@ -413,7 +416,7 @@ def train(args: Args) -> Agent:
             rows = (x[:T].flatten(0, 1) for x in (obs, actions, logprobs))
             mask = valid[:T].flatten().float()  # the reset steps weigh nothing in the loss
             batch = Batch(*rows, advantages.flatten(), returns.flatten(), values[:T].flatten(), mask)
-            return update(step, batch, args)
+            return update(functools.partial(one_epoch, step), batch, args)
 
         learn = CudaGraph(learn, run)  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
         for iteration in run.iterations():

@@ -363,13 +363,16 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Ten
     return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
-def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a `step(batch, idx)` on each."""
+def one_epoch(step, batch: Batch, args: Args) -> list[dict[str, torch.Tensor]]:
+    shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
+    return [step(batch, idx) for idx in shuffled.tensor_split(args.num_minibatches)]
+
+
+def update(epoch, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch, each a `step` per shuffled minibatch (detail 6); their mean statistics."""
     history = []
     for _ in range(args.update_epochs):
-        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
-        for idx in shuffled.tensor_split(args.num_minibatches):
-            history.append(step(batch, idx))
+        history += epoch(batch, args)
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
         if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
@@ -392,14 +395,15 @@ def train(args: Args, envs=None) -> Agent:
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
-        phases = (collect_rollout, make_batch, gradient_step)
-        collect, prepare, step = map(compiled, phases) if args.compile else phases
+        # --compile: a graph per epoch; the whole iteration as one compiles 2.3x as long, no faster (docs/benchmarks.md)
+        phases = (collect_rollout, make_batch, one_epoch)
+        collect, prepare, epoch = map(compiled, phases) if args.compile else phases
 
         # the iteration's device work; `agent`, `envs` and `optimizer` hold the state it changes
         def one_iteration(obs, noise, rollout):
             obs = collect(agent, envs, obs, rollout, noise)
-            step_agent = functools.partial(step, agent, optimizer, ppo_loss, args)
-            return obs, update(step_agent, prepare(agent, rollout, args), args)
+            step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
+            return obs, update(functools.partial(epoch, step), prepare(agent, rollout, args), args)
 
         if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
             one_iteration = run.stacked(one_iteration)

@@ -374,13 +374,16 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> torch.Ten
     return torch.where(var_returns == 0, torch.nan, 1 - (returns - values).var() / var_returns)
 
 
-def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
-    """`update-epochs` passes over the batch in shuffled minibatches (detail 6), a `step(batch, idx)` on each."""
+def one_epoch(step, batch: Batch, args: Args) -> list[dict[str, torch.Tensor]]:
+    shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
+    return [step(batch, idx) for idx in shuffled.tensor_split(args.num_minibatches)]
+
+
+def update(epoch, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
+    """`update-epochs` passes over the batch, each a `step` per shuffled minibatch (detail 6); their mean statistics."""
     history = []
     for _ in range(args.update_epochs):
-        shuffled = torch.rand(len(batch.actions), device=batch.actions.device).argsort()
-        for idx in shuffled.tensor_split(args.num_minibatches):
-            history.append(step(batch, idx))
+        history += epoch(batch, args)
         # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
         if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
             break
@@ -411,9 +414,8 @@ def train(args: Args) -> Agent:
         prepare, step = map(compiled, phases) if args.compile else phases
 
         def learn(rollout):  # the batch and the update (the envs step in JAX: not in it); `agent` holds its state
-            return update(
-                functools.partial(step, agent, optimizer, ppo_loss, args), prepare(agent, rollout, args), args
-            )
+            epoch = functools.partial(one_epoch, functools.partial(step, agent, optimizer, ppo_loss, args))
+            return update(epoch, prepare(agent, rollout, args), args)
 
         if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
             learn = run.stacked(learn)

@@ -12,9 +12,6 @@ The update, one full-batch gradient step per use of a rollout:
 
 With `--rollout-use-count 1` (the default) w_t = 1: plain VPG. Reusing a rollout K > 1 times makes the later steps
 off-policy, which π/π_old corrects and the clipping keeps stable: the bridge to PPO ("detail N": Huang et al. 2022).
-
-Truncation is not failure: when an episode reaches the 500-step limit we bootstrap from the value of its real last
-observation (`info["final_obs"]`) instead of treating it as terminal.
 """
 
 from __future__ import annotations
@@ -374,19 +371,17 @@ def train(args: Args, envs=None) -> Agent:
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
-        phases = (collect_rollout, make_batch, gradient_step)
-        collect, prepare, step = map(compiled, phases) if args.compile else phases
 
         # the iteration's device work; `agent`, `envs` and `optimizer` hold the state it changes
         def one_iteration(obs, noise, rollout):
-            obs = collect(agent, envs, obs, rollout, noise)
-            step_agent = functools.partial(step, agent, optimizer, vpg_loss, args)
-            return obs, update(step_agent, prepare(agent, rollout, args), args)
+            obs = collect_rollout(agent, envs, obs, rollout, noise)
+            step = functools.partial(gradient_step, agent, optimizer, vpg_loss, args)
+            return obs, update(step, make_batch(agent, rollout, args), args)
 
         if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
             one_iteration = run.stacked(one_iteration)
-        else:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            one_iteration = CudaGraph(one_iteration, run)
+        else:  # --compile: one graph; on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
+            one_iteration = CudaGraph(compiled(one_iteration) if args.compile else one_iteration, run)
         for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py

@@ -76,7 +76,8 @@ def updated(name: str, batch) -> dict:
     flags = dict(norm_adv=False, num_minibatches=1, update_epochs=2, max_grad_norm=1e3)
     module = A if name == "atari" else B  # both take the eager gradient step of CartPole's PPO
     args = module.Args(**flags)
-    module.update(functools.partial(module.gradient_step, agent, optimizer, module.ppo_loss, args), batch, args)
+    step = functools.partial(module.gradient_step, agent, optimizer, module.ppo_loss, args)
+    module.update(functools.partial(module.one_epoch, step), batch, args)
     return agent.state_dict()
 
 

@@ -105,8 +105,8 @@ class Memory(nn.Module):
         "* run.world_size, envs.reset()[0],\n                            memory=PerRank(memory))  # each rank's own, saved per rank\n",
     ),
     (
-        "obs = collect(agent, envs, obs, rollout, noise)\n",
-        "obs = collect(agent, envs, obs, rollout, noise, memory)\n",
+        "(agent, envs, obs, rollout, noise)\n",  # PPO's `collect`, VPG's `collect_rollout`
+        "(agent, envs, obs, rollout, noise, memory)\n",
     ),
     (
         """        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]""",

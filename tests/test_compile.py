@@ -51,14 +51,15 @@ def trained(name, in_tmp, **flags):
 def test_compiled_training_matches_eager(name, in_tmp):
     """Same seed, same random numbers (drawn outside the graphs): the weights after 4 iterations agree
     to float tolerance (the graphs write tanh as 2σ(2x) - 1 and Adam's update out, both exact to ~1e-7),
-    and each phase compiled to one graph, once (REINFORCE's gradient step, whose batch size varies, to one graph for
+    and each phase compiled to one graph, once (PPO: the rollout, the batch and an epoch's steps; VPG: the whole
+    iteration; REINFORCE's gradient step, whose batch size varies, to one graph for
     every size from the first: else a resumed run would start on a static-shape graph the run straight through had
     left behind, and end elsewhere)."""
     torch._dynamo.reset()
     eager = trained(name, in_tmp)
     before = graph_count()
     compiled = trained(name, in_tmp, compile=True)
-    expected = {"ppo_cartpole_gpu": 3, "vpg": 3, "reinforce": 2}[origin(name)]  # a copy may compile more of its own
+    expected = {"ppo_cartpole_gpu": 3, "vpg": 1, "reinforce": 2}[origin(name)]  # a copy may compile more of its own
     assert graph_count() - before >= expected and recompilations() == "no recompilation", recompilations()
     assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
 

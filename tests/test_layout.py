@@ -51,6 +51,7 @@ PPO_SHARED = [
     "make_batch",
     "ppo_loss",
     "explained_variance",
+    "one_epoch",
     "update",
 ]
 TENSOR_SCRIPTS = ["ppo_cartpole_gpu", "vpg", "reinforce", "ppo_mujoco_brax"]
@@ -168,14 +169,16 @@ def test_every_script_takes_the_same_gradient_step(name):
 def test_train_shows_which_functions_an_iteration_runs(name):
     """What `train()` shows is what runs: the set-up once per seed (`for seed in run.seeds:`), the phases as written,
     the script's own `gradient_step` among them, and a fast path that transforms them in one visible place (LeanRL's
-    `if args.compile: update = torch.compile(update)`): --compile each phase, the iteration stacked for K seeds or
-    recorded as a CUDA graph. No mode replaces a function: ladder holds no gradient step of its own."""
+    `if args.compile: update = torch.compile(update)`): --compile each phase (PPO: an epoch's steps) or the whole
+    iteration (VPG), the iteration stacked for K seeds or recorded as a CUDA graph. No mode replaces a function:
+    ladder holds no gradient step of its own."""
     train = inspect.getsource(import_script(name).train)
     assert "for seed in run.seeds:" in train
-    assert re.search(r"phases = \([a-z_, ]*gradient_step\)", train), "the gradient step is one of the phases"
-    assert "= map(compiled, phases) if args.compile else phases" in train
+    assert re.search(r"phases = \([a-z_, ]*gradient_step\)|partial\(gradient_step, agent", train), "the script's step"
+    whole = "compiled(one_iteration) if args.compile else one_iteration"
+    assert "= map(compiled, phases) if args.compile else phases" in train or whole in train
     assert "if args.num_seeds > 1:" in train and "run.stacked(" in train
-    assert re.search(r"else:  # on a GPU: .*recorded once as a CUDA graph", train) and "= CudaGraph(" in train
+    assert re.search(r"else:  # .*on a GPU: .*recorded once as a CUDA graph", train) and "= CudaGraph(" in train
     for path in LADDER:
         assert "def gradient_step" not in text(path) and "functional_call(" not in text(path) or "optim" in path
 
