@@ -121,7 +121,7 @@ def main() -> None:
     bench = tyro.cli(BenchArgs)
     rows = {}
     for root, script, env, threshold in itertools.product(bench.roots, bench.scripts, bench.envs, bench.thresholds):
-        if env == "pendulum" and script != "ppo_cartpole_gpu":
+        if env == "pendulum" and script != "ppo_cartpole_gpu" or not os.path.exists(f"{root}/{script}.py"):
             continue
         key, one = (root, script, env, threshold), [os.path.abspath(root), script, env, str(threshold)]
         rows[key] = []
