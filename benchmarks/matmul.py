@@ -34,18 +34,23 @@ def microseconds(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def one_shape(m: int, k: int, n: int) -> tuple[float, float]:
+    """Microseconds of one (m, k) @ (k, n) float32 matmul: torch.mm, and a dot in XLA."""
+    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    ours = microseconds(lambda: torch.mm(a, b, out=out), 3000)
+    x, y = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
+    dots = jax.jit(lambda x, y: sum((x * (i + 1)) @ y for i in range(DOTS)))  # each dot its own: no reuse
+    dots(x, y).block_until_ready()
+    return ours, microseconds(lambda: dots(x, y).block_until_ready(), 300) / DOTS
+
+
 def main() -> None:
     torch.set_num_threads(1)
     print(f"`python benchmarks/matmul.py` on {machine(jax)}\n")
     print("| m x k @ k x n | torch.mm, µs | XLA dot in a jit, µs | torch / XLA |")
     print("|---|---|---|---|")
     for m, k, n in SHAPES:
-        a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
-        ours = microseconds(lambda: torch.mm(a, b, out=out), 3000)
-        x, y = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
-        dots = jax.jit(lambda x, y: sum((x * (i + 1)) @ y for i in range(DOTS)))  # each dot its own: no reuse
-        dots(x, y).block_until_ready()
-        theirs = microseconds(lambda: dots(x, y).block_until_ready(), 300) / DOTS
+        ours, theirs = one_shape(m, k, n)
         print(f"| {m} x {k} @ {k} x {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
 
 

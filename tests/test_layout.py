@@ -201,15 +201,16 @@ PRIVATE_TORCH = {
     "torch._dynamo.utils": "guard_failures: the guard a recompilation failed on, named in that line",
     "torch._inductor.config": "which inductor options this torch has (torch.compile's options= has no public list)",
     "torch.utils._pytree": "tree_flatten, tree_unflatten and tree_map (torch 2.13 has no public pytree)",
+    "_patch_step_function": "Adam keeps torch's profiler wrapper off its step: compiled, it logs a warning per graph, "
+    "and the hooks it runs cannot fire in a CUDA graph's replay (refused in one line instead)",
+    "_opt_called": "Adam tells an lr scheduler its step ran: torch sets it only in the wrapper of optimizer.step, "
+    "which a stacked seed's optimizer (the lead steps for all K) never runs",
 }
 """The private torch names ladder/ uses with no public equivalent, and why (docs/tests.md says the same)."""
 PRIVATE_TORCH_TO_GO = {
     "._parameters": "Adam and the stacked seeds swap tensors into modules' tables (torch.func.functional_call can)",
     "._buffers": "the stacked seeds hold their buffers through modules' tables (setattr can)",
     ".data =": "parameters made views of the flat vector or of the stacked seeds' (torch.utils.swap_tensors can)",
-    "_patch_step_function": "Adam keeps torch's profiler wrapper off its step (a compiled graph warns of it); its step "
-    "hooks are refused in one line",
-    "_opt_called": "Adam tells an lr scheduler that its step ran",
 }
 """Private names with a public way round, for the stacked seeds' redesign (issue 65) to remove: none may be added."""
 
@@ -222,7 +223,8 @@ def private_torch_names(path: str) -> set[str]:
     names = {m[0] for m in re.finditer(r"torch(\.[a-zA-Z]\w*)*\._[a-zA-Z]\w*(\.\w+)?", code)}
     names = {".".join(name.split(".")[: next(i for i, part in enumerate(name.split(".")) if part.startswith("_")) + 2])
              for name in names}  # fmt: skip
-    names |= {name for name in PRIVATE_TORCH_TO_GO if name.replace(" ", "") in code.replace(" ", "")}
+    attributes = [*PRIVATE_TORCH_TO_GO, *(name for name in PRIVATE_TORCH if not name.startswith("torch."))]
+    names |= {name for name in attributes if name.replace(" ", "") in code.replace(" ", "")}
     return names
 
 
