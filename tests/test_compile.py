@@ -64,6 +64,20 @@ def test_compiled_training_matches_eager(name, in_tmp):
     assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.behaviour
+def test_target_kl_stops_the_compiled_epochs_where_eager_ones_stop(in_tmp):
+    """--target-kl reads the KL between epochs, outside the compiled epoch (issue 66): at a target of 1e-9 every
+    update stops after its first epoch, compiled as eager (else the weights part), with no graph compiled again."""
+    torch._dynamo.reset()
+    eager = trained("ppo_cartpole_gpu", in_tmp, target_kl=1e-9)
+    before = graph_count()
+    compiled = trained("ppo_cartpole_gpu", in_tmp, target_kl=1e-9, compile=True)
+    assert graph_count() - before == 3 and recompilations() == "no recompilation", recompilations()
+    assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
+    all_epochs = trained("ppo_cartpole_gpu", in_tmp)  # the check can fail: without the stop the weights differ
+    assert not all(torch.allclose(a, b, atol=2e-4) for a, b in zip(eager.parameters(), all_epochs.parameters()))
+
+
 def test_compiled_brax_training_matches_eager(in_tmp):
     """ppo_mujoco_brax.py --compile: the batch preparation and the gradient step compile to one graph each
     (the rollout stays eager: its env step is JAX), and the weights after 3 iterations agree with eager."""
