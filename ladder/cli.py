@@ -2,6 +2,7 @@
 
 import contextlib
 import difflib
+import gc
 import importlib.util
 import io
 import os
@@ -42,9 +43,8 @@ def check_run_flags(args) -> torch.device:
         algorithm = [name for name in type(args).__dataclass_fields__ if name not in RUN_FLAGS]
         may = ", ".join(f"--{name.replace('_', '-')}" for name in RUN_FLAGS)
         kept = f"the checkpoint's {{}} (--resume may change only {may})"
-        check_flags(
-            args, {n: (getattr(args, n) == saved["args"].get(n), kept.format(saved["args"].get(n))) for n in algorithm}
-        )
+        rules = {n: (getattr(args, n) == saved["args"].get(n), kept.format(saved["args"].get(n))) for n in algorithm}
+        check_flags(args, rules)
         if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
             raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
     return torch.device(args.device)
@@ -116,5 +116,6 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # compiled graphs hold the group in reference cycles: collected, its threads end
+            gc.collect()
             dist.destroy_process_group()

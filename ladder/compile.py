@@ -3,6 +3,7 @@
 import functools
 import os
 import re
+import weakref
 
 import torch
 
@@ -19,7 +20,9 @@ def compiled(fn):
         torch._dynamo.config.trace_autograd_ops = True
     # ops inlined per kernel (CPU default 50: a Pendulum rollout took 435 s to compile, at 30 59 s; compile_time.py)
     bound = {"realize_cpu_opcount_threshold": 30} if hasattr(inductor, "realize_cpu_opcount_threshold") else {}
-    graph = torch.compile(fn, fullgraph=True, options=bound)
+    # dynamo keeps its graphs in the compiled function's globals: here a caller's own, emptied once the call is gone
+    scope = {"fn": fn}
+    graph = torch.compile(eval("lambda *args, **kwargs: fn(*args, **kwargs)", scope), fullgraph=True, options=bound)
     # else torch 2.13 drops in-place updates of 0-dim float64 tensors (test_compile.py); read at a first compilation
     os.environ["TENSORIFY_PYTHON_SCALARS"] = "0"
 
@@ -40,4 +43,5 @@ def compiled(fn):
                 cause = f"it compiles again at every call, as {guard}"
             raise UsageError(f"--compile: {cause}{''.join(where)}; see docs/modifying.md#compiled-graphs") from None
 
+    weakref.finalize(call, lambda: scope.update(dict.fromkeys(scope)))  # values dropped; dynamo deletes the names
     return call

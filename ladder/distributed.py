@@ -26,8 +26,7 @@ def mean_over_ranks(tensors):
 
 
 def alike(stateful: dict, per_rank: set) -> dict:
-    shared = {k: v for k, v in stateful.items() if k not in per_rank}
-    return {k: v for k, v in shared.items() if torch.is_tensor(v) or isinstance(v, nn.Module)}
+    return {k: v for k, v in stateful.items() if k not in per_rank and (torch.is_tensor(v) or isinstance(v, nn.Module))}
 
 
 def broadcast_from_rank_0(shared: dict) -> None:

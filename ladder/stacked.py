@@ -78,7 +78,8 @@ class Stacked:
                 outs.append(fn(*pytree.tree_unflatten(own, spec)))
             if k < self.k - 1:
                 copy_replaced(self.theirs[k], self.rows[k])
-        return stacked_results(outs)
+        flat, specs = zip(*map(pytree.tree_flatten, outs))  # the K seeds' results stacked
+        return pytree.tree_unflatten([torch.stack(c) if torch.is_tensor(c[0]) else c[0] for c in zip(*flat)], specs[0])
 
     def call(self, fn, *args, compile: bool = False):
         """`fn(*args)` for all K seeds in one vmapped call, made once per layout of `args` (tensors [K, ...]; `compile`:
@@ -162,11 +163,6 @@ def copy_replaced(places: list, values: list) -> None:
             with torch.no_grad():
                 value.copy_(value_at(place))
             place_values([place], [value], [])
-
-
-def stacked_results(outs: list):
-    leaves, specs = zip(*map(pytree.tree_flatten, outs))
-    return pytree.tree_unflatten([torch.stack(c) if torch.is_tensor(c[0]) else c[0] for c in zip(*leaves)], specs[0])
 
 
 def refusing(call, *args):

@@ -153,13 +153,15 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     assert summary["status"] == "completed" and summary["iterations"] == saved["counters"]["iteration"] + 3
 
 
-def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
+@pytest.mark.parametrize("compiled", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path, compiled):
     """Rank 0 evaluates alone at the end while the other ranks are done: with collectives timing out after 3 s (5 min
     in the scripts) and an evaluation of 5 s (Brax's could take minutes), the run still ends well, with its summary
     (before, the other ranks timed out in a final barrier and torchrun killed rank 0 before it wrote summary.json).
     And `main` frees the process group: its Gloo threads are gone before the interpreter exits (before, torch's first
     optimizer imported torch.distributed.nn, whose defaults kept the group, so its threads ran on into the exit, where
-    now and then one aborted rank 1: "terminate called without an active exception", and torchrun stopped rank 0)."""
+    now and then one aborted rank 1: "terminate called without an active exception", and torchrun stopped rank 0).
+    Compiled too: a graph holds the group it all-reduces over, which dynamo kept in the script's globals."""
     worker = tmp_path / "slow_evaluation.py"
     worker.write_text(f"""
 import datetime, os, sys, time
@@ -176,7 +178,7 @@ if any("gloo" in name for name in names):
     sys.exit(f"rank {{os.environ['RANK']}}: the process group's threads outlive main: {{names}}")
 """)
     flags = ["--num-envs", "16", "--num-steps", "8", "--total-timesteps", "512", "--eval-episodes", "2",
-             "--no-progress-bar"]  # fmt: skip
+             "--no-progress-bar", *compiled]  # fmt: skip
     result = torchrun(str(worker), *flags, cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
