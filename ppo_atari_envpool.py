@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ladder.cli import run_command_line
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.distributed import mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -356,8 +356,7 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
-    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too; averaged over ranks
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
     optimizer.step()
     return stats
@@ -390,12 +389,13 @@ def update(epoch, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 def train(args: Args) -> Agent:
     """Train PPO on the `--env-id` game and return the agent."""
     device, T, N = torch.device(args.device), args.num_steps, args.num_envs
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     env_batch = N // 2 if args.async_envs else N  # async: EnvPool emulates half the envs while the policy acts
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
-        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
-        envs = make_env(args.env_id, N, args.seed + run.rank * N, batch_size=env_batch)  # env i gets seed + i
-        torch.manual_seed(args.seed + run.rank)  # under torchrun each rank samples its own actions
+        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
+        envs = make_env(args.env_id, N, args.seed + rank * N, batch_size=env_batch)  # env i gets seed + i
+        torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
         agent = Agent(envs.single_action_space.n, args.bf16, args.channels_last).to(device)
         if args.compile:  # compile the forward pass only, so the weights keep their plain names
             agent.forward = torch.compile(agent.forward)
@@ -405,7 +405,7 @@ def train(args: Args) -> Agent:
         rollout = Rollout.empty(T, N, device)
         envs.async_reset()
         # --resume: all as the checkpoint left it but EnvPool's games, which start anew (docs/modifying.md)
-        run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size)
+        run.start(agent, envs, optimizer, num_iterations * T * N * world_size)
 
         def learn(tensors):
             obs, actions, logprobs, values, rewards, terminated, dones, valid = (x[: T + 1] for x in tensors)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.distributed import mean_over_ranks
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -361,8 +361,7 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
-    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too; averaged over ranks
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
     optimizer.step()
     return stats
@@ -394,20 +393,21 @@ def update(epoch, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 def train(args: Args) -> Agent:
     """Train PPO on the `--env-id` Brax env and return the agent (building the envs compiles: set-up time)."""
     device, T, N = torch.device(args.device), args.num_steps, args.num_envs
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
-        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
+        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
         for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
-            torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
+            torch.manual_seed(seed + rank)  # under torchrun each rank samples its own actions
             if seed == args.seed:
                 run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
-            envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, seed + run.rank)
+            envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, seed + rank)
             agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
             initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
             scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
-            total_steps = num_iterations * T * N * run.world_size
+            total_steps = num_iterations * T * N * world_size
             raw_obs = run.start(agent, envs, optimizer, total_steps, envs.reset()[0], reward_scaler=scale_reward)
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)
         phases = (make_batch, gradient_step)

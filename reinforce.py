@@ -27,7 +27,6 @@ import torch.nn as nn
 from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -313,8 +312,7 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
-    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too; averaged over ranks
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
     optimizer.step()
     return stats
@@ -323,12 +321,13 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
 def train(args: Args, envs=None) -> Agent:
     """Train REINFORCE on `envs` (default: the `--env-id` env; any with the CartPole's interface, e.g. a probe)."""
     device, given_envs = torch.device(args.device), envs
+    rank = int(os.environ.get("RANK", "0"))
     if args.compile and args.num_seeds > 1:  # the stacked update, compiled whole, would compile again at each length
         raise UsageError("--compile does not go with --num-seeds here: the update's length changes every iteration")
     with Run(args, evaluate, record_video) as run:
         for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
-            torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
-            envs = make_envs(args, device, given_envs, seed + run.rank)
+            torch.manual_seed(seed + rank)  # under torchrun each rank samples its own actions
+            envs = make_envs(args, device, given_envs, seed + rank)
             if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
                 raise UsageError(f"--num-steps {args.num_steps} is below the episode limit {envs.max_episode_steps}")
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)

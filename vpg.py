@@ -31,7 +31,6 @@ import torch.nn as nn
 from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients
 from ladder.flags import RunFlags, UsageError, check_flags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -336,8 +335,7 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
-    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too; averaged over ranks
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
     optimizer.step()
     return stats
@@ -359,17 +357,18 @@ def update(step, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
 def train(args: Args, envs=None) -> Agent:
     """Train VPG on `envs` (default: the `--env-id` env; any with the CartPole's interface, e.g. a probe)."""
     device, T, N, given_envs = torch.device(args.device), args.num_steps, args.num_envs, envs
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
-        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * run.world_size)
+        num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
         for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
-            torch.manual_seed(seed + run.rank)  # under torchrun each rank samples its own actions
-            envs = make_envs(args, device, given_envs, seed + run.rank)
+            torch.manual_seed(seed + rank)  # under torchrun each rank samples its own actions
+            envs = make_envs(args, device, given_envs, seed + rank)
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
             initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
-            obs = run.start(agent, envs, optimizer, num_iterations * T * N * run.world_size, envs.reset()[0])
+            obs = run.start(agent, envs, optimizer, num_iterations * T * N * world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
 
         # the iteration's device work; `agent`, `envs` and `optimizer` hold the state it changes

@@ -3,6 +3,7 @@
 import torch
 import torch.nn as nn
 
+from ladder.distributed import mean_over_ranks
 from ladder.flags import UsageError
 
 
@@ -56,13 +57,13 @@ class Adam(torch.optim.Optimizer):
         return previous
 
     def backward(self, loss_fn, module: nn.Module, *args) -> dict:
-        """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient added
-        to their `.grad`, by torch.autograd (eager, compiled) or torch.func.grad (vmapped); returns `stats`."""
+        """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient (by
+        torch.autograd; vmapped: torch.func.grad), averaged over torchrun's ranks (DDP), added to `.grad`; `stats`."""
         held = list({i: table[key] for table, key, i in self.places}.values())  # (vmapped: the seed's)
         untraceable = torch.compiler.is_compiling() and not getattr(torch._dynamo.config, "trace_autograd_ops", False)
         if isinstance(held[0], nn.Parameter) and not untraceable:
             loss, stats = loss_fn(module, *args)
-            grads = torch.autograd.grad(loss, held, allow_unused=True)
+            grads = torch.autograd.grad(loss, held, allow_unused=True, materialize_grads=True)
         else:  # vmapped (autograd cannot run there), or compiled by a torch whose dynamo cannot trace autograd.grad
 
             def loss_in(flat):
@@ -74,9 +75,8 @@ class Adam(torch.optim.Optimizer):
 
             flat_grad, stats = torch.func.grad(loss_in, has_aux=True)(self.flat)
             grads = self.views(flat_grad)
-        for p, g in zip(held, grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        for p, g in zip(held, mean_over_ranks(list(grads))):
+            p.grad = g if p.grad is None else p.grad + g
         return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # torch's is one a compiled graph cannot hold

@@ -101,8 +101,8 @@ class Memory(nn.Module):
         "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim + 2 * HIDDEN_SIZE, device)\n",
     ),
     (
-        "* run.world_size, envs.reset()[0])\n",
-        "* run.world_size, envs.reset()[0],\n                            memory=PerRank(memory))  # each rank's own, saved per rank\n",
+        "* world_size, envs.reset()[0])\n",
+        "* world_size, envs.reset()[0],\n                            memory=PerRank(memory))  # each rank's own, saved per rank\n",
     ),
     (
         "(agent, envs, obs, rollout, noise)\n",  # PPO's `collect`, VPG's `collect_rollout`
@@ -283,14 +283,12 @@ RECIPES = {"observation normalisation": OBSERVATION_NORMALISATION, "RND": RND, "
 CLEANRL_UPDATE = [
     (
         """    optimizer.zero_grad()
-    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too; averaged over ranks
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
 """,
         """    loss, stats = loss_fn(agent, args, minibatch)
     optimizer.zero_grad()
     loss.backward()
-    average_gradients(agent)  # data parallel under torchrun
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
 """,
     ),

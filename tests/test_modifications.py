@@ -68,10 +68,10 @@ def assert_same_training(eager, compiled, resumed) -> None:
 
 
 # An edit to the gradient step -----------------------------------------------------------------
-NO_STEP = [("    average_gradients(agent)  # data parallel under torchrun\n",
-            "    average_gradients(agent)  # data parallel under torchrun\n"
+NO_STEP = [("    nn.utils.clip_grad_norm_(",
             "    for p in agent.parameters():\n"
-            "        p.grad.mul_(0.0)  # the edit: no gradient, so no step\n")]  # fmt: skip
+            "        p.grad.mul_(0.0)  # the edit: no gradient, so no step\n"
+            "    nn.utils.clip_grad_norm_(")]  # fmt: skip
 
 
 @pytest.mark.behaviour
