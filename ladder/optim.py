@@ -41,10 +41,11 @@ class Adam(torch.optim.Optimizer):
         parts = flat.split([shape.numel() for shape in self.shapes], dim=-1)
         return [x.view(*flat.shape[:-1], *shape) for x, shape in zip(parts, self.shapes)]
 
+    @torch.no_grad()  # (set_ on a parameter: the same object, now a view of `flat`)
     def attach(self, flat: torch.Tensor) -> None:
         self.held["flat"], views = flat, self.views(flat)
         for table, key, i in self.places:
-            table[key].data = views[i]
+            table[key].set_(views[i])
 
     def swap(self, values):
         """Views of flat `values` (or the list this returned) where the module holds its parameters; returns those."""
@@ -131,10 +132,7 @@ class Adam(torch.optim.Optimizer):
             self.state["flat"][key].copy_(value)
         for group, settings in zip(self.param_groups, saved["param_groups"]):
             for key, value in [(k, v) for k, v in settings.items() if k != "params"]:
-                if torch.is_tensor(group[key]):
-                    group[key].fill_(value)
-                else:
-                    group[key] = value
+                group[key] = group[key].fill_(value) if torch.is_tensor(group[key]) else value  # a rate: in place
 
 
 def untraced(method):  # torch.optim's `method` without the wrapper whose first call imports torch._dynamo

@@ -145,11 +145,12 @@ def place_value(place, value) -> None:
         setattr(*place, value)
 
 
+@torch.no_grad()
 def place_values(places: list, values: list, adams: list) -> None:
     """`values` at `places` (a parameter stays that object: optimizers know it), Adams' parameters views of theirs."""
     for place, value in zip(places, values):
         if isinstance(value_at(place), nn.Parameter):
-            value_at(place).data = value
+            value_at(place).set_(value)
         else:
             place_value(place, value)
     for adam in adams:

@@ -210,7 +210,6 @@ PRIVATE_TORCH = {
 PRIVATE_TORCH_TO_GO = {
     "._parameters": "Adam and the stacked seeds swap tensors into modules' tables (torch.func.functional_call can)",
     "._buffers": "the stacked seeds hold their buffers through modules' tables (setattr can)",
-    ".data =": "parameters made views of the flat vector or of the stacked seeds' (torch.utils.swap_tensors can)",
 }
 """Private names with a public way round, for the stacked seeds' redesign (issue 65) to remove: none may be added."""
 
