@@ -122,16 +122,16 @@ class Stacked:
 
 
 def slots(objects: dict) -> list[tuple]:
-    """Where the tensors of `objects` live, (table, key): modules' parameters (an Adam's flat ones instead) and
-    buffers, Adams' moments, other objects' attributes (the object their table: dynamo sees only what is set on it)."""
+    """Where the tensors of `objects` live, (table, key): modules' buffers and other objects' attributes (the object
+    their table: dynamo sees only what is set on it), modules' parameters (an Adam's flat ones instead), its moments."""
     objects, adams = list(objects.values()), [obj for obj in objects.values() if isinstance(obj, Adam)]
     held = {id(p) for adam in adams for group in adam.param_groups for p in group["params"]}
     modules = list(dict.fromkeys(m for obj in objects if isinstance(obj, nn.Module) for m in obj.modules()))
-    tables = [m._parameters for m in modules] + [m._buffers for m in modules]
-    tables += [t for adam in adams for t in (adam.held, adam.state["flat"])]
+    tables = [m._parameters for m in modules] + [t for adam in adams for t in (adam.held, adam.state["flat"])]
     tables += [obj for obj in objects if not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
     items = lambda t: t.items() if isinstance(t, dict) else vars(t).items()
-    return [(t, key) for t in tables for key, v in items(t) if torch.is_tensor(v) and id(v) not in held]
+    buffers = [(m, key) for m in modules for key, _ in m.named_buffers(recurse=False)]
+    return buffers + [(t, key) for t in tables for key, v in items(t) if torch.is_tensor(v) and id(v) not in held]
 
 
 def value_at(place):

@@ -209,7 +209,6 @@ PRIVATE_TORCH = {
 """The private torch names ladder/ uses with no public equivalent, and why (docs/tests.md says the same)."""
 PRIVATE_TORCH_TO_GO = {
     "._parameters": "Adam and the stacked seeds swap tensors into modules' tables (torch.func.functional_call can)",
-    "._buffers": "the stacked seeds hold their buffers through modules' tables (setattr can)",
 }
 """Private names with a public way round, for the stacked seeds' redesign (issue 65) to remove: none may be added."""
 
