@@ -19,12 +19,11 @@ class Adam(torch.optim.Optimizer):
         names = {id(p): name for name, p in module.named_parameters() if p.untyped_storage().nbytes() == p.nbytes}
         if len({id(p) for p in held}) < len(held) or any(id(p) not in names for p in held):
             raise ValueError("Adam takes each of the module's parameters once, none another Adam holds, and no other")
-        self.module, self.shapes = module, [p.shape for p in held]
+        self.module, self.calling, self.shapes = module, Calling(module), [p.shape for p in held]
         self.sizes = [sum(p.numel() for p in group["params"]) for group in self.param_groups]
         index = {id(p): i for i, p in enumerate(held)}  # each place that holds a parameter (a shared one: several)
-        tables = {id(m._parameters): m._parameters for _, m in module.named_modules(remove_duplicate=False)}.values()
-        places = [(t, key, index[id(p)]) for t in tables for key, p in t.items() if id(p) in index]
-        self.places = sorted(places, key=lambda place: place[2])  # in the flat vector's order
+        own = [(m, key, index.get(id(p))) for m in module.modules() for key, p in m.named_parameters(recurse=False)]
+        self.places = sorted([place for place in own if place[2] is not None], key=lambda place: place[2])
         self.held = {"flat": torch.cat([p.detach().reshape(-1) for p in held])}
         self.attach(self.flat)
         for group in self.param_groups:  # a tensor: a compiled or recorded step reads it, the rate not baked in
@@ -44,37 +43,25 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()  # (set_ on a parameter: the same object, now a view of `flat`)
     def attach(self, flat: torch.Tensor) -> None:
         self.held["flat"], views = flat, self.views(flat)
-        for table, key, i in self.places:
-            table[key].set_(views[i])
+        for p, view in zip([p for group in self.param_groups for p in group["params"]], views):
+            p.set_(view)
 
-    def swap(self, values):
-        """Views of flat `values` (or the list this returned) where the module holds its parameters; returns those."""
-        if torch.is_tensor(values):
-            views = self.views(values)
-            values = [views[i] for _, _, i in self.places]
-        previous = [table[key] for table, key, _ in self.places]
-        for (table, key, _), value in zip(self.places, values):
-            table[key] = value
-        return previous
+    def call_with(self, flat: torch.Tensor, fn, *args):
+        """`fn(*args)` with views of `flat` in the places of the held parameters (vmapped: the seed's vector)."""
+        views, names = self.views(flat), self.calling.names
+        tensors = {names[id(m), key]: views[i] for m, key, i in self.places}
+        return torch.func.functional_call(self.calling, tensors, (fn, *args))
 
     def backward(self, loss_fn, module: nn.Module, *args) -> dict:
         """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient (by
         torch.autograd; vmapped: torch.func.grad), averaged over torchrun's ranks (DDP), added to `.grad`; `stats`."""
-        held = list({i: table[key] for table, key, i in self.places}.values())  # (vmapped: the seed's)
+        held = list({i: getattr(m, key) for m, key, i in self.places}.values())  # (vmapped: the seed's)
         untraceable = torch.compiler.is_compiling() and not getattr(torch._dynamo.config, "trace_autograd_ops", False)
         if isinstance(held[0], nn.Parameter) and not untraceable:
             loss, stats = loss_fn(module, *args)
             grads = torch.autograd.grad(loss, held, allow_unused=True, materialize_grads=True)
         else:  # vmapped (autograd cannot run there), or compiled by a torch whose dynamo cannot trace autograd.grad
-
-            def loss_in(flat):
-                own = self.swap(flat)
-                try:
-                    return loss_fn(module, *args)
-                finally:
-                    self.swap(own)
-
-            flat_grad, stats = torch.func.grad(loss_in, has_aux=True)(self.flat)
+            flat_grad, stats = torch.func.grad(self.call_with, has_aux=True)(self.flat, loss_fn, module, *args)
             grads = self.views(flat_grad)
         for p, g in zip(held, mean_over_ranks(list(grads))):
             p.grad = g if p.grad is None else p.grad + g
@@ -86,7 +73,7 @@ class Adam(torch.optim.Optimizer):
 
     def flat_grad(self) -> torch.Tensor:
         """The held parameters' `.grad` (where the module holds them: vmapped, the seed's; none: zero) as one vector."""
-        held = {i: table[key] for table, key, i in self.places}.values()
+        held = {i: getattr(m, key) for m, key, i in self.places}.values()
         if all(p.grad is None for p in held):  # torch's optimizers would skip the step, silently: no learning
             raise UsageError("optimizer.step() found no gradient: take it with optimizer.backward(loss_fn, agent, ...)")
         return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in held])
@@ -137,3 +124,15 @@ class Adam(torch.optim.Optimizer):
 
 def untraced(method):  # torch.optim's `method` without the wrapper whose first call imports torch._dynamo
     return getattr(method, "__wrapped__", method)
+
+
+class Calling(nn.Module):
+    """`fn(*args)` as `forward`, for torch.func.functional_call to run with other tensors in `modules`' places."""
+
+    def __init__(self, *modules: nn.Module):
+        super().__init__()
+        self.all, named = nn.ModuleList(modules), self.named_modules(remove_duplicate=False)
+        self.names = {(id(m), key): f"{at}.{key}" for at, m in named for key, _ in m.named_parameters(recurse=False)}
+
+    def forward(self, fn, *args):
+        return fn(*args)

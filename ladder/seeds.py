@@ -103,10 +103,8 @@ def seeds_flags(args, world_size: int) -> tuple:
 
     def seed(i: int):
         resume, model = args.resume and dirs[i], dirs[i] if dirs and args.load_model else args.load_model
-        first_only = dict(capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)
-        return replace(
-            args, seed=first + i, num_seeds=1, resume=resume, load_model=model, wandb_group=group, **first_only
-        )
+        shown = dict(capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)  # seed 1
+        return replace(args, seed=first + i, num_seeds=1, resume=resume, load_model=model, wandb_group=group, **shown)
 
     return folder, [seed(i) for i in range(k)]
 

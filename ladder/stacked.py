@@ -2,6 +2,7 @@
 called once for all K (torch.func.vmap; random numbers drawn for all K in one call)."""
 
 import contextlib
+import functools
 import traceback
 
 import torch
@@ -10,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from ladder.compile import compiled
 from ladder.flags import UsageError, your_line
-from ladder.optim import Adam
+from ladder.optim import Adam, Calling
 
 
 class Stacked:
@@ -21,7 +22,9 @@ class Stacked:
         if [obj for obj in self.lead.values() if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, Adam)]:
             raise UsageError("--num-seeds: the seeds' optimizer must be ladder.optim.Adam, whose step vmap runs")
         self.adams = [obj for obj in self.lead.values() if isinstance(obj, Adam)]
+        self.root = Calling(*[obj for obj in self.lead.values() if isinstance(obj, nn.Module)])
         self.slots, theirs = slots(self.lead), [slots(objects) for objects in seeds]
+        self.names = [self.root.names.get((id(table), key)) for table, key in self.slots]  # a parameter's, or None
         if any([key for _, key in mine] != [key for _, key in self.slots] for mine in theirs):
             raise UsageError("--num-seeds: the seeds' agents, envs or optimizers differ in their tensors")
         with torch.no_grad():
@@ -98,16 +101,18 @@ class Stacked:
 
             def on_one_seed(values, tensors):
                 originals = [value_at(place) for place in self.slots]
-                for place, value in zip(self.slots, values):  # (a parameter too: its place, for the call)
-                    place_value(place, value)
-                swapped = [adam.swap(adam.flat) for adam in self.adams]  # its parameters: views of the seed's vector
+                for place, value, name in zip(self.slots, values, self.names):
+                    if name is None:
+                        place_value(place, value)
+                tensors = iter(tensors)
+                args = pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec)
+                call = lambda: (fn(*args), [value_at(place) for place in self.slots])  # noqa: E731  (read inside)
+                for adam in self.adams:  # its parameters: views of the seed's vector
+                    call = functools.partial(adam.call_with, adam.flat, call)
+                parameters = {n: x for n, x in zip(self.names, values) if n}  # by functional_call: setattr refuses them
                 try:
-                    tensors = iter(tensors)
-                    out = fn(*pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec))
-                    return out, [value_at(place) for place in self.slots]
+                    return torch.func.functional_call(self.root, parameters, (call,))
                 finally:
-                    for adam, parameters in zip(self.adams, swapped):
-                        adam.swap(parameters)
                     for place, value in zip(self.slots, originals):
                         place_value(place, value)
 
@@ -127,11 +132,12 @@ def slots(objects: dict) -> list[tuple]:
     objects, adams = list(objects.values()), [obj for obj in objects.values() if isinstance(obj, Adam)]
     held = {id(p) for adam in adams for group in adam.param_groups for p in group["params"]}
     modules = list(dict.fromkeys(m for obj in objects if isinstance(obj, nn.Module) for m in obj.modules()))
-    tables = [m._parameters for m in modules] + [t for adam in adams for t in (adam.held, adam.state["flat"])]
+    tables = [t for adam in adams for t in (adam.held, adam.state["flat"])]
     tables += [obj for obj in objects if not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
     items = lambda t: t.items() if isinstance(t, dict) else vars(t).items()
-    buffers = [(m, key) for m in modules for key, _ in m.named_buffers(recurse=False)]
-    return buffers + [(t, key) for t in tables for key, v in items(t) if torch.is_tensor(v) and id(v) not in held]
+    tensors = lambda m: [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]
+    own = [(m, key) for m in modules for key, v in tensors(m) if id(v) not in held]
+    return own + [(t, key) for t in tables for key, v in items(t) if torch.is_tensor(v)]
 
 
 def value_at(place):
@@ -176,5 +182,4 @@ def refusing(call, *args):
         where, cause = your_line(traceback.extract_tb(e.__traceback__)), str(e).splitlines()[0][:160]
         if "backward() called inside a functorch transform" in cause:  # CleanRL's update
             cause = "loss.backward() cannot run vmapped: take the gradient with optimizer.backward(loss_fn, agent, ...)"
-        message = f"--num-seeds: {cause} ({where}); see docs/modifying.md#many-seeds"
-        raise UsageError(message) from None
+        raise UsageError(f"--num-seeds: {cause} ({where}); see docs/modifying.md#many-seeds") from None

@@ -180,7 +180,7 @@ def test_train_shows_which_functions_an_iteration_runs(name):
     assert "if args.num_seeds > 1:" in train and "run.stacked(" in train
     assert re.search(r"else:  # .*on a GPU: .*recorded once as a CUDA graph", train) and "= CudaGraph(" in train
     for path in LADDER:
-        assert "def gradient_step" not in text(path) and "functional_call(" not in text(path) or "optim" in path
+        assert "def gradient_step" not in text(path) and "torch.func.grad(" not in text(path) or "optim" in path
 
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
@@ -207,10 +207,8 @@ PRIVATE_TORCH = {
     "which a stacked seed's optimizer (the lead steps for all K) never runs",
 }
 """The private torch names ladder/ uses with no public equivalent, and why (docs/tests.md says the same)."""
-PRIVATE_TORCH_TO_GO = {
-    "._parameters": "Adam and the stacked seeds swap tensors into modules' tables (torch.func.functional_call can)",
-}
-"""Private names with a public way round, for the stacked seeds' redesign (issue 65) to remove: none may be added."""
+PRIVATE_TORCH_TO_GO: dict[str, str] = {}
+"""Private names with a public way round, to remove: none left (the last, `._parameters`, went on 2026-11-29)."""
 
 
 def private_torch_names(path: str) -> set[str]:
