@@ -50,7 +50,7 @@ class Adam(torch.optim.Optimizer):
         """`fn(*args)` with views of `flat` in the places of the held parameters (vmapped: the seed's vector)."""
         views, names = self.views(flat), self.calling.names
         tensors = {names[id(m), key]: views[i] for m, key, i in self.places}
-        return torch.func.functional_call(self.calling, tensors, (fn, *args))
+        return torch.func.functional_call(self.calling, tensors, (fn, *args), tie_weights=False)
 
     def backward(self, loss_fn, module: nn.Module, *args) -> dict:
         """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient (by

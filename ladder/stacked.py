@@ -111,7 +111,7 @@ class Stacked:
                     call = functools.partial(adam.call_with, adam.flat, call)
                 parameters = {n: x for n, x in zip(self.names, values) if n}  # by functional_call: setattr refuses them
                 try:
-                    return torch.func.functional_call(self.root, parameters, (call,))
+                    return torch.func.functional_call(self.root, parameters, (call,), tie_weights=False)
                 finally:
                     for place, value in zip(self.slots, originals):
                         place_value(place, value)

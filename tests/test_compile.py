@@ -195,8 +195,9 @@ def test_a_float64_scalars_update_is_kept_compiled():
 
 
 def test_torch_still_cannot_compile_the_gradient_of_a_module_in_two_places():
-    """Why Adam.gradient swaps views of the flat vector into the module rather than calling functional_call: torch
-    2.13 cannot compile torch.func.grad over a functional_call of a module in two places. Skips once torch can."""
+    """Why ladder's functional_calls (Adam.call_with, the stacked call) give each place of a shared parameter its
+    tensor with tie_weights=False: torch 2.13 cannot compile torch.func.grad over a functional_call of a module in two
+    places that ties them (the default). Skips once torch can."""
     shared = torch.nn.Linear(3, 3)
     module = torch.nn.Sequential(shared, torch.nn.Tanh(), shared)
     parameters = dict(module.named_parameters())
