@@ -25,6 +25,8 @@ class Adam(torch.optim.Optimizer):
         own = [(m, key, index.get(id(p))) for m in module.modules() for key, p in m.named_parameters(recurse=False)]
         self.places = sorted([place for place in own if place[2] is not None], key=lambda place: place[2])
         self.held = {"flat": torch.cat([p.detach().reshape(-1) for p in held])}
+        for p in held:  # a plain loss.backward() averages over torchrun's ranks too, as DDP's (alone: the same tensor)
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", mean_over_ranks(p.grad)))
         self.attach(self.flat)
         for group in self.param_groups:  # a tensor: a compiled or recorded step reads it, the rate not baked in
             group["lr"] = torch.tensor(float(group["lr"]), device=self.flat.device)

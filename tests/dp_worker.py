@@ -2,7 +2,7 @@
 (Gloo, CPU): each rank saves what the test compares to OUT/*.pt.
 
 1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
-   without per-minibatch advantage normalisation.
+   without per-minibatch advantage normalisation; and CleanRL's update (a plain `loss.backward()`) with ladder's Adam.
 2. A few iterations of `train()` (16 envs per rank) of ppo_cartpole_gpu.py (eager and with --compile), vpg.py and
    reinforce.py: the weights every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
@@ -170,6 +170,16 @@ def main(out: str) -> None:
         half = P.Batch(*(x[32 * rank : 32 * (rank + 1)] for x in fixed_batch()))
         P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=norm_adv, max_grad_norm=0.05), half)
         torch.save(agent.state_dict(), os.path.join(out, f"step_norm{int(norm_adv)}_rank{rank}.pt"))
+    torch.manual_seed(0)
+    agent = P.Agent(4, 2)
+    optimizer = Adam(agent, lr=1e-2, eps=1e-5)
+    half = P.Batch(*(x[32 * rank : 32 * (rank + 1)] for x in fixed_batch()))
+    loss, _ = P.ppo_loss(agent, P.Args(norm_adv=False), half)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(agent.parameters(), 0.05)
+    optimizer.step()
+    torch.save(agent.state_dict(), os.path.join(out, f"step_cleanrl_rank{rank}.pt"))
     rms = B.RunningMeanStd((3,))
     rms.update(torch.randn(40, 3, generator=torch.Generator().manual_seed(2))[20 * rank : 20 * (rank + 1)] * 2 + 1)
     torch.save(rms.state_dict(), os.path.join(out, f"rms_rank{rank}.pt"))
