@@ -62,7 +62,8 @@ class RunFlags:
     """show a live progress bar with SPS, the recent return and the time left"""
 
 
-RUN_FLAGS = [f.name for f in fields(RunFlags)]  # those a --resume may change; the others of `Args` are the algorithm's
+RUN_FLAGS = [f.name for f in fields(RunFlags)]
+"""The flags a --resume may change; every other field of a script's `Args` is the algorithm's."""
 
 
 def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:

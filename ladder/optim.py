@@ -3,7 +3,6 @@
 import torch
 import torch.nn as nn
 
-from ladder.distributed import mean_over_ranks
 from ladder.flags import UsageError
 
 
@@ -25,8 +24,6 @@ class Adam(torch.optim.Optimizer):
         own = [(m, key, index.get(id(p))) for m in module.modules() for key, p in m.named_parameters(recurse=False)]
         self.places = sorted([place for place in own if place[2] is not None], key=lambda place: place[2])
         self.held = {"flat": torch.cat([p.detach().reshape(-1) for p in held])}
-        for p in held:  # a plain loss.backward() averages over torchrun's ranks too, as DDP's (alone: the same tensor)
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", mean_over_ranks(p.grad)))
         self.attach(self.flat)
         for group in self.param_groups:  # a tensor: a compiled or recorded step reads it, the rate not baked in
             group["lr"] = torch.tensor(float(group["lr"]), device=self.flat.device)
@@ -55,18 +52,19 @@ class Adam(torch.optim.Optimizer):
         return torch.func.functional_call(self.calling, tensors, (fn, *args), tie_weights=False)
 
     def backward(self, loss_fn, module: nn.Module, *args) -> dict:
-        """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient (by
-        torch.autograd; vmapped: torch.func.grad), averaged over torchrun's ranks (DDP), added to `.grad`; `stats`."""
+        """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient added
+        to their `.grad`, by torch.autograd (eager, compiled) or torch.func.grad (vmapped); returns `stats`."""
         held = list({i: getattr(m, key) for m, key, i in self.places}.values())  # (vmapped: the seed's)
         untraceable = torch.compiler.is_compiling() and not getattr(torch._dynamo.config, "trace_autograd_ops", False)
         if isinstance(held[0], nn.Parameter) and not untraceable:
             loss, stats = loss_fn(module, *args)
-            grads = torch.autograd.grad(loss, held, allow_unused=True, materialize_grads=True)
+            grads = torch.autograd.grad(loss, held, allow_unused=True)
         else:  # vmapped (autograd cannot run there), or compiled by a torch whose dynamo cannot trace autograd.grad
             flat_grad, stats = torch.func.grad(self.call_with, has_aux=True)(self.flat, loss_fn, module, *args)
             grads = self.views(flat_grad)
-        for p, g in zip(held, mean_over_ranks(list(grads))):
-            p.grad = g if p.grad is None else p.grad + g
+        for p, g in zip(held, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
         return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # torch's is one a compiled graph cannot hold

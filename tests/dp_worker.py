@@ -2,7 +2,8 @@
 (Gloo, CPU): each rank saves what the test compares to OUT/*.pt.
 
 1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
-   without per-minibatch advantage normalisation; and CleanRL's update (a plain `loss.backward()`) with ladder's Adam.
+   without per-minibatch advantage normalisation; and docs/modifying.md's CleanRL update (`loss.backward()`,
+   `average_gradients`) with ladder's Adam.
 2. A few iterations of `train()` (16 envs per rank) of ppo_cartpole_gpu.py (eager and with --compile), vpg.py and
    reinforce.py: the weights every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
@@ -177,6 +178,7 @@ def main(out: str) -> None:
     loss, _ = P.ppo_loss(agent, P.Args(norm_adv=False), half)
     optimizer.zero_grad()
     loss.backward()
+    average_gradients(agent)
     torch.nn.utils.clip_grad_norm_(agent.parameters(), 0.05)
     optimizer.step()
     torch.save(agent.state_dict(), os.path.join(out, f"step_cleanrl_rank{rank}.pt"))

@@ -283,12 +283,14 @@ RECIPES = {"observation normalisation": OBSERVATION_NORMALISATION, "RND": RND, "
 CLEANRL_UPDATE = [
     (
         """    optimizer.zero_grad()
-    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too; averaged over ranks
+    stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
+    average_gradients(agent)  # data parallel under torchrun
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
 """,
         """    loss, stats = loss_fn(agent, args, minibatch)
     optimizer.zero_grad()
     loss.backward()
+    average_gradients(agent)  # data parallel under torchrun
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
 """,
     ),

@@ -48,7 +48,7 @@ def test_two_ranks_take_the_single_process_step(worker_outputs, norm_adv):
         got = torch.load(worker_outputs / f"step_norm{int(norm_adv)}_rank{rank}.pt")
         for key in expected:
             assert_close(got[key], expected[key], key, atol=1e-6, rtol=1e-5)
-    if not norm_adv:  # and CleanRL's update, a plain loss.backward() (averaged by a hook, as DDP's)
+    if not norm_adv:  # and CleanRL's update as docs/modifying.md writes it: loss.backward(), average_gradients
         for rank in (0, 1):
             got = torch.load(worker_outputs / f"step_cleanrl_rank{rank}.pt")
             for key in expected:
