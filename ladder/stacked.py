@@ -100,10 +100,10 @@ class Stacked:
             kept = [(torch.is_tensor(x), None if torch.is_tensor(x) else x) for x in leaves]  # (compiled: guarded)
 
             def on_one_seed(values, tensors):
-                originals = [value_at(place) for place in self.slots]
-                for place, value, name in zip(self.slots, values, self.names):
-                    if name is None:
-                        place_value(place, value)
+                own = [(place, value) for place, value, name in zip(self.slots, values, self.names) if name is None]
+                originals = [value_at(place) for place, _ in own]
+                for place, value in own:
+                    place_value(place, value)
                 tensors = iter(tensors)
                 args = pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec)
                 call = lambda: (fn(*args), [value_at(place) for place in self.slots])  # noqa: E731  (read inside)
@@ -112,8 +112,8 @@ class Stacked:
                 parameters = {n: x for n, x in zip(self.names, values) if n}  # by functional_call: setattr refuses them
                 try:
                     return torch.func.functional_call(self.root, parameters, (call,), tie_weights=False)
-                finally:
-                    for place, value in zip(self.slots, originals):
+                finally:  # (functional_call puts the parameters back itself)
+                    for (place, _), value in zip(own, originals):
                         place_value(place, value)
 
             vmapped = torch.func.vmap(on_one_seed, randomness="different")
