@@ -48,12 +48,12 @@ def test_two_ranks_take_the_single_process_step(worker_outputs, norm_adv):
         got = torch.load(worker_outputs / f"step_norm{int(norm_adv)}_rank{rank}.pt")
         for key in expected:
             assert_close(got[key], expected[key], key, atol=1e-6, rtol=1e-5)
-    if not norm_adv:  # and CleanRL's update as docs/modifying.md writes it: loss.backward(), average_gradients
+    if not norm_adv:  # CleanRL's update as docs/modifying.md writes it (loss.backward(), average_gradients) alike
         for rank in (0, 1):
             got = torch.load(worker_outputs / f"step_cleanrl_rank{rank}.pt")
             for key in expected:
                 assert_close(got[key], expected[key], f"CleanRL's update, rank {rank}: {key}", atol=1e-6, rtol=1e-5)
-    if not norm_adv:  # and then it is the plain full-batch step
+        # and then it is the plain full-batch step
         torch.manual_seed(0)
         agent = P.Agent(4, 2)
         optimizer = Adam(agent, lr=1e-2, eps=1e-5)
