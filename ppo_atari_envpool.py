@@ -122,6 +122,7 @@ class Args(RunFlags):
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
             "num_seeds": (self.num_seeds == 1, "1: EnvPool runs one seed per process (K processes: a --seed each)"),
+            "sweep": (not self.sweep, "left out: EnvPool runs one configuration per process"),
         }
         no_bf16 = "off here: no bfloat16 hardware (AMX or AVX512-BF16 CPUs, GPUs from Ampere on)"
         rules["bf16"] = (not self.bf16 or has_fast_bf16(self.device), f"{no_bf16} to run it faster than float32")

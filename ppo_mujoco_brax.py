@@ -398,14 +398,14 @@ def train(args: Args) -> Agent:
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
-        for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
-            torch.manual_seed(seed + rank)  # under torchrun each rank samples its own actions
-            if seed == args.seed:
-                run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
-            envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, seed + rank)
+        run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
+        for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
+            torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
+            envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + rank)
             agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+            for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
+                group["first_lr"] = group["lr"].double()
             scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             total_steps = num_iterations * T * N * world_size
@@ -418,13 +418,13 @@ def train(args: Args) -> Agent:
             epoch = functools.partial(one_epoch, functools.partial(step, agent, optimizer, ppo_loss, args))
             return update(epoch, prepare(agent, rollout, args), args)
 
-        if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
+        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
             learn = run.stacked(learn)
         else:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             learn = CudaGraph(learn, run)
         for iteration in run.iterations():
-            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
+            for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
+                group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])
             # --num-seeds K: the seeds' JAX envs step in turn, each seed's own objects (JAX is not vmapped by torch)
             raw_obs = run.one_by_one(collect_rollout, agent, envs, raw_obs, rollout, scale_reward)
             stats = learn(rollout)

@@ -324,17 +324,18 @@ def train(args: Args, envs=None) -> Agent:
     """Train REINFORCE on `envs` (default: the `--env-id` env; any with the CartPole's interface, e.g. a probe)."""
     device, given_envs = torch.device(args.device), envs
     rank = int(os.environ.get("RANK", "0"))
-    if args.compile and args.num_seeds > 1:  # the stacked update, compiled whole, would compile again at each length
-        raise UsageError("--compile does not go with --num-seeds here: the update's length changes every iteration")
+    if args.compile and (args.num_seeds > 1 or args.sweep):  # the stacked update would compile again at each length
+        raise UsageError("--compile does not go with --num-seeds or --sweep here: the update's length changes")
     with Run(args, evaluate, record_video) as run:
-        for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
-            torch.manual_seed(seed + rank)  # under torchrun each rank samples its own actions
-            envs = make_envs(args, device, given_envs, seed + rank)
+        for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
+            torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
+            envs = make_envs(args, device, given_envs, args.seed + rank)
             if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
                 raise UsageError(f"--num-steps {args.num_steps} is below the episode limit {envs.max_episode_steps}")
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)
-            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+            for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
+                group["first_lr"] = group["lr"].double()
             total_steps = 0 if args.eval_only else args.total_timesteps
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             run.start(agent, envs, optimizer, total_steps)
@@ -352,13 +353,13 @@ def train(args: Args, envs=None) -> Agent:
             stats = step(agent, optimizer, reinforce_loss, args, batch)
             return stats, finished_episodes(rollout._replace(dones=rollout.dones & first))  # logged: those trained on
 
-        if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
+        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
             collect, learn = run.stacked(collect), run.stacked(learn)
         else:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
             collect = CudaGraph(collect, run)
         for _ in run.iterations():
-            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"].fill_((1 - run.progress.global_step / total_steps) * lr)  # in place: see ladder/optim.py
+            for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
+                group["lr"].copy_((1 - run.progress.global_step / total_steps) * group["first_lr"])
             steps = collect_episodes(collect, run, agent, envs, storage)
             time = storage.dones.dim() - 2
             rollout = Rollout(*(x.narrow(time, 0, steps) for x in storage))

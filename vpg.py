@@ -363,12 +363,13 @@ def train(args: Args, envs=None) -> Agent:
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
-        for seed in run.seeds:  # the set-up, once per seed (--num-seeds K: K times, then the loop once for all K)
-            torch.manual_seed(seed + rank)  # under torchrun each rank samples its own actions
-            envs = make_envs(args, device, given_envs, seed + rank)
+        for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
+            torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
+            envs = make_envs(args, device, given_envs, args.seed + rank)
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+            for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
+                group["first_lr"] = group["lr"].double()
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
@@ -379,13 +380,13 @@ def train(args: Args, envs=None) -> Agent:
             step = functools.partial(gradient_step, agent, optimizer, vpg_loss, args)
             return obs, update(step, make_batch(agent, rollout, args), args)
 
-        if args.num_seeds > 1:  # --num-seeds K: one call for all K seeds, vmapped over their stacked state
+        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
             one_iteration = run.stacked(one_iteration)
         else:  # --compile: one graph; on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
             one_iteration = CudaGraph(compiled(one_iteration) if args.compile else one_iteration, run)
         for iteration in run.iterations():
-            for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
-                group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py
+            for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
+                group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])
             obs, stats = one_iteration(obs, run.each(RolloutNoise.draw, envs, T), rollout)
             run.log(T * N, stats, finished_episodes(rollout))
             run.film(rollout)

@@ -15,6 +15,7 @@ per iteration, as our script does, to keep the 100-episode mean. As with `--comp
 
     python benchmarks/jax_ppo_cartpole.py --num-envs 128 --seed 1     # prints a JSON summary
     python benchmarks/jax_ppo_cartpole.py --num-seeds 16              # seeds 1-16 vmapped in one program
+    python benchmarks/jax_ppo_cartpole.py --num-seeds 4 --learning-rates 1e-3,3e-3   # 2 rates x 4 seeds, vmapped
 """
 
 from __future__ import annotations
@@ -69,21 +70,23 @@ def mlp(params, x):
 
 def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_return=500.0, solved_threshold=475.0,
           learning_rate=5e-3, num_minibatches=4, update_epochs=4, gamma=0.99, gae_lambda=0.95, clip_coef=0.2,
-          vf_coef=0.5, max_grad_norm=0.5, num_seeds=1) -> dict:  # fmt: skip
+          vf_coef=0.5, max_grad_norm=0.5, num_seeds=1, learning_rates=None) -> dict:  # fmt: skip
     """One seed as written; with num_seeds K > 1 the same iteration `jax.vmap`ped over K agents and their envs
-    (seeds seed..seed+K-1, PureJaxRL's headline), stopping once every seed reached the target."""
+    (seeds seed..seed+K-1, PureJaxRL's headline), stopping once every seed reached the target. `learning_rates`: a
+    sweep, K seeds of each rate, all vmapped (the rate a vmapped input, as the seed is)."""
     batch_size = num_envs * num_steps
     num_iterations = total_timesteps // batch_size
     steps_per_iteration = num_minibatches * update_epochs
-    schedule = lambda count: learning_rate * (1.0 - (count // steps_per_iteration) / num_iterations)  # noqa: E731
-    tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule, eps=1e-5))
+    # optax.adam(schedule) with the rate of the carry: Adam's direction, then the annealed rate (optax's own count)
+    tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.scale_by_adam(eps=1e-5))
+    frac = lambda count: 1.0 - (count // steps_per_iteration) / num_iterations  # noqa: E731
 
-    def init(seed):
+    def init(seed, lr):
         key, k_actor, k_critic, k_env = jax.random.split(jax.random.PRNGKey(seed), 4)
         params = {"actor": mlp_init(k_actor, [4, 64, 64, 2], 0.01), "critic": mlp_init(k_critic, [4, 64, 64, 1], 1.0)}
         env = (jax.random.uniform(k_env, (num_envs, 4), minval=-0.05, maxval=0.05), jnp.zeros(num_envs, jnp.int32),
                jnp.zeros(num_envs))  # fmt: skip
-        return params, tx.init(params), env, key
+        return params, tx.init(params), env, key, lr
 
     def loss_fn(params, obs, actions, old_logp, adv, returns):
         logp = jax.nn.log_softmax(mlp(params["actor"], obs))
@@ -95,7 +98,7 @@ def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_
         return pg + vf_coef * 0.5 * ((value - returns) ** 2).mean()
 
     def iteration(carry):
-        params, opt_state, env, key = carry
+        params, opt_state, env, key, lr = carry
 
         def step(c, _):
             env, key = c
@@ -124,9 +127,9 @@ def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_
         def epoch(c, k):
             def minibatch(c, mb):
                 params, opt_state = c
-                grads = jax.grad(loss_fn)(params, *mb)
+                grads, rate = jax.grad(loss_fn)(params, *mb), lr * frac(opt_state[1].count)
                 updates, opt_state = tx.update(grads, opt_state, params)
-                return (optax.apply_updates(params, updates), opt_state), None
+                return (optax.apply_updates(params, jax.tree.map(lambda u: -rate * u, updates)), opt_state), None
 
             perm = jax.random.permutation(k, batch_size)
             mbs = jax.tree.map(lambda x: x[perm].reshape(num_minibatches, -1, *x.shape[1:]), flat)
@@ -134,14 +137,16 @@ def train(num_envs=128, num_steps=16, seed=1, total_timesteps=5_000_000, target_
 
         key, k_perm = jax.random.split(key)
         (params, opt_state), _ = jax.lax.scan(epoch, (params, opt_state), jax.random.split(k_perm, update_epochs))
-        return (params, opt_state, env, key), (r["done"], r["ep_return"])
+        return (params, opt_state, env, key, lr), (r["done"], r["ep_return"])
 
-    seeds = jnp.arange(seed, seed + num_seeds)
+    rates = learning_rates or [learning_rate]
+    seeds = jnp.array([s for _ in rates for s in range(seed, seed + num_seeds)])
+    lrs, num_seeds = jnp.array([lr for lr in rates for _ in range(num_seeds)]), num_seeds * len(rates)
     if num_seeds == 1:  # the code as written, for one seed
-        carry, run = init(seed), jax.jit(iteration, donate_argnums=(0,))
+        carry, run = init(seed, learning_rate), jax.jit(iteration, donate_argnums=(0,))
         one_host_read = lambda outs: [jax.device_get(outs)]  # noqa: E731
     else:  # K seeds: a leading axis on everything, one program for all
-        carry, run = jax.vmap(init)(seeds), jax.jit(jax.vmap(iteration), donate_argnums=(0,))
+        carry, run = jax.vmap(init)(seeds, lrs), jax.jit(jax.vmap(iteration), donate_argnums=(0,))
         one_host_read = lambda outs: list(zip(*jax.device_get(outs)))  # noqa: E731
     recent = [deque(maxlen=100) for _ in range(num_seeds)]
     solved_step, solved_seconds, reached = [None] * num_seeds, [None] * num_seeds, [False] * num_seeds
@@ -181,6 +186,9 @@ if __name__ == "__main__":
     parser.add_argument("--target-return", type=float, default=500.0, help="stop at this 100-episode mean (inf: never)")
     parser.add_argument("--num-seeds", type=int, default=1, help="seeds --seed.. in one vmapped program")
     parser.add_argument("--num-minibatches", type=int, default=4)
+    parser.add_argument("--learning-rates", type=lambda v: [float(x) for x in v.split(",")], default=None,
+                        help="a sweep: --num-seeds seeds of each rate (e.g. 1e-3,5e-3), all vmapped")  # fmt: skip
     a = parser.parse_args()
     print(json.dumps(train(a.num_envs, a.num_steps, a.seed, a.total_timesteps, a.target_return,
-                           num_minibatches=a.num_minibatches, num_seeds=a.num_seeds)))  # fmt: skip
+                           num_minibatches=a.num_minibatches, num_seeds=a.num_seeds,
+                           learning_rates=a.learning_rates)))  # fmt: skip

@@ -17,11 +17,12 @@ def read_summary(folder: Optional[str]) -> Optional[dict]:
 
 
 def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
-    """The checkpoint at `path` (or in it) on the CPU, unless another script wrote it; K seeds' folder: the first's."""
+    """The checkpoint at `path` (or in it) on the CPU, unless another script wrote it; K runs' aggregate folder: the
+    first's, with the flags they were started with (--num-seeds, --sweep)."""
     file = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file) and (summary := read_summary(path)) and summary.get("run_dirs"):
-        saved = read_checkpoint(summary["run_dirs"][0], script, flag)
-        return saved | {"args": saved["args"] | {"num_seeds": len(summary["run_dirs"])}}
+        args = {k: tuple(v) if isinstance(v, list) else v for k, v in summary["args"].items()}  # (JSON's --sweep)
+        return read_checkpoint(summary["run_dirs"][0], script, flag) | {"args": args}
     if not os.path.isfile(file):
         where = "a folder with no checkpoint.pt" if os.path.isdir(path) else "no such file or folder"
         raise UsageError(f"{flag} {path}: {where}")

@@ -43,7 +43,8 @@ def check_run_flags(args) -> torch.device:
         algorithm = [name for name in type(args).__dataclass_fields__ if name not in RUN_FLAGS]
         may = ", ".join(f"--{name.replace('_', '-')}" for name in RUN_FLAGS)
         kept = f"the checkpoint's {{}} (--resume may change only {may})"
-        rules = {n: (getattr(args, n) == saved["args"].get(n), kept.format(saved["args"].get(n))) for n in algorithm}
+        theirs = {f.name: f.default for f in fields(args)} | saved["args"]  # (a flag newer than the checkpoint)
+        rules = {n: (getattr(args, n) == theirs[n], kept.format(theirs[n])) for n in algorithm}
         check_flags(args, rules)
         if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
             raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")

@@ -4,9 +4,10 @@ import math
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
+import tyro
 
 
 class UsageError(Exception):
@@ -34,6 +35,9 @@ class RunFlags:
     """on a GPU, record an iteration once as a CUDA graph and replay it (--no-cuda-graph: the loop as written)"""
     num_seeds: int = 1
     """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
+    sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """NAME=V1,V2,... (repeatable): a run per value of the algorithm's float flag NAME (the grid of all --sweep's),
+    --num-seeds K each, all stacked in this process; ranked at the end in the aggregate folder (docs/running.md)"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
@@ -62,8 +66,8 @@ class RunFlags:
     """show a live progress bar with SPS, the recent return and the time left"""
 
 
-RUN_FLAGS = [f.name for f in fields(RunFlags)]
-"""The flags a --resume may change; every other field of a script's `Args` is the algorithm's."""
+RUN_FLAGS = [f.name for f in fields(RunFlags) if f.name != "sweep"]
+"""The flags a --resume may change (not --sweep: its runs are the checkpoint's); the others are the algorithm's."""
 
 
 def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:

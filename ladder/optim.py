@@ -13,7 +13,8 @@ class Adam(torch.optim.Optimizer):
     def __init__(self, module: nn.Module, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         if params is None:  # the trainable ones no other Adam holds (it makes them views of its flat vector)
             params = [p for p in module.parameters() if p.requires_grad and p.untyped_storage().nbytes() == p.nbytes]
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # capturable: its step can be recorded in a CUDA graph (and torch.compile, which says so, changes no group)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         held = [p for group in self.param_groups for p in group["params"]]
         names = {id(p): name for name, p in module.named_parameters() if p.untyped_storage().nbytes() == p.nbytes}
         if len({id(p) for p in held}) < len(held) or any(id(p) not in names for p in held):

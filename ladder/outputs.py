@@ -40,11 +40,15 @@ class Outputs:
         """Rows (env step, {tag: number}), each one TensorBoard event (add_scalar costs ~0.1 ms a tag) and W&B row."""
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter  # (imported, ~0.5 s, by a run that writes)
+        from torch.utils.tensorboard.summary import hparams
 
         if self.writer is None:
             self.writer = SummaryWriter(self.dir, purge_step=self.purge_step)
             table = "".join(f"\n|{key}|{value}|" for key, value in asdict(self.args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|" + table)
+            flags = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in asdict(self.args).items()}
+            for summary in hparams(flags, {"charts/episodic_return": 0, "eval/episodic_return": 0}):  # HPARAMS tab
+                self.writer.file_writer.add_summary(summary)
         for step, values in rows:
             summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
             self.writer.file_writer.add_summary(summary, step)

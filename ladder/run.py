@@ -23,20 +23,21 @@ class Run(contextlib.AbstractContextManager):
     `evaluate(agent, envs, args, video)` returns episodes' returns; `record_video(agent, envs, rollout, args, path)`."""
 
     def __init__(self, args, evaluate, record_video):
-        self.args, self.evaluate, self.record_video, self.k = args, evaluate, record_video, args.num_seeds
+        self.args, self.evaluate, self.record_video = args, evaluate, record_video
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.all = Seeds(args, self.rank, self.world_size)  # the run's seeds: one, or K
+        self.all = Seeds(args, self.rank, self.world_size)  # the run's seeds: one, or K (--sweep: K per configuration)
+        self.k = self.all.k
         self.progress, self.runs, self.dir, self.stopping = self.all.progress, self.all.runs, None, 0
         self.first_iteration, self.clock, self.setup = 1, time.perf_counter(), {}  # setup: summary.json's setup_parts
         self.signals = Signals(self.note, lambda: args.compile and self.progress.iteration < self.first_iteration)
-        self.seeds = [flags.seed for flags in self.all.flags]  # `for seed in run.seeds:` builds each seed's objects
+        self.args_per_run = self.all.flags  # `for args in run.args_per_run:` builds each run's objects
 
     def start(self, agent: nn.Module, envs, optimizer: torch.optim.Optimizer, total_steps: int, obs=None, **stateful):
         """A seed's objects (`stateful`: yours by name, tensors or objects with a state_dict), restored by --resume or
         --load-model; the last seed's stacks the K seeds and starts the clock. Returns `obs` or the envs' (stacked)."""
         objects = {"agent": agent, "envs": envs, "optimizer": optimizer}
         objects |= {k: v.value if isinstance(v, PerRank) else v for k, v in stateful.items() if v is not None}
-        check_objects(objects, self.args)
+        check_objects(objects, self.args, self.k)
         per_rank = {k for k, v in stateful.items() if isinstance(v, PerRank)}  # each torchrun rank's own
         obs = self.all.add(objects, per_rank, obs, total_steps, self.note)
         if len(self.runs) < self.k:
@@ -77,10 +78,11 @@ class Run(contextlib.AbstractContextManager):
                 each = "a number" if self.k == 1 else f"one number per seed under --num-seeds {self.k}"
                 raise UsageError(f"stats[{tag!r}] has shape {tuple(value.shape)}; run.log takes {each}")
         lr = torch.as_tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float32, device=self.device)
-        head = torch.cat((torch.tensor([env_steps, self.signals.received], device=self.device), lr.reshape(1)))
+        head = torch.tensor([env_steps, self.signals.received], device=self.device).expand(self.k, 2)
+        head = torch.cat((head, lr.reshape(-1, 1).expand(self.k, 1)), 1)  # each run's rate (a --sweep's differ)
         values = torch.stack(list(stats.values()), -1).reshape(self.k, -1).float()
         episodes = torch.cat([x.reshape(self.k, -1).float() for x in episodes], 1)  # (ended, return, length)
-        numbers = torch.cat((head.expand(self.k, 3), values, episodes), 1).cpu().numpy()  # the one host read
+        numbers = torch.cat((head, values, episodes), 1).cpu().numpy()  # the one host read
         if self.world_size > 1:  # every rank's numbers to every rank, as one: steps summed, any's stop, mean losses
             dist.all_gather_object(ranks := [None] * self.world_size, numbers[0])
             head, n = [sum(r[0] for r in ranks), max(r[1] for r in ranks), ranks[0][2]], len(stats)
@@ -139,7 +141,9 @@ class Run(contextlib.AbstractContextManager):
     def iterations(self):
         """The iterations left (numbered on from a checkpoint's), `run.log` once in each; a signal stops after one."""
         if len(self.runs) < self.k:
-            raise UsageError(f"--num-seeds {self.k}: build each seed's objects in `for seed in run.seeds:`")
+            raise UsageError(
+                f"{self.k} runs (--num-seeds, --sweep): build each one's objects in `for args in run.args_per_run:`"
+            )
         while self.progress.global_step < self.total_steps:
             logged = self.progress.iteration
             yield logged + 1
@@ -164,7 +168,7 @@ class PerRank:
         self.value = value
 
 
-def check_objects(objects: dict, args) -> None:
+def check_objects(objects: dict, args, k: int) -> None:
     if odd := [k for k, v in objects.items() if k != "envs" and not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
         raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
     optimizer = objects["optimizer"]
@@ -178,12 +182,12 @@ def check_objects(objects: dict, args) -> None:
             raise UsageError("a torch.optim.lr_scheduler and --anneal-lr both set the rate: pass --no-anneal-lr")
     kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
     dropouts = [m for v in objects.values() if isinstance(v, nn.Module) for m in v.modules() if isinstance(m, kinds)]
-    if args.num_seeds > 1 and args.compile and args.device == "cpu" and dropouts:  # docs/modifying.md#the-agent
+    if k > 1 and args.compile and args.device == "cpu" and dropouts:  # docs/modifying.md#the-agent
         raise UsageError(
             f"--num-seeds with --compile: torch 2.13's CPU compiler uses {type(dropouts[0]).__name__}'s masks before"
             " drawing them in the stacked graph, and training goes silently wrong; leave out --compile"
         )
-    if args.num_seeds > 1 and (bare := [k for k, v in objects.items() if torch.is_tensor(v)]):
+    if k > 1 and (bare := [name for name, v in objects.items() if torch.is_tensor(v)]):
         raise UsageError(
             f"--num-seeds: run.start({bare[0]}=...), a tensor, cannot be each seed's own in the stacked call: make it a"
             " buffer of the agent or of a module given to run.start (docs/modifying.md#many-seeds)"

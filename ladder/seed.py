@@ -34,14 +34,16 @@ class Seed:
         resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
         self.dir = resumed or new_folder(f"{args.env_id}__{args.exp_name}__{args.seed}")
         self.outputs, self.eval_returns, self.own = None, None, contextlib.nullcontext
-        self.checkpointed, self.next_check, self.noted_apart = -1, 0, set()
+        self.checkpointed, self.next_check, self.noted_apart, self.says_result = -1, 0, set(), True
 
     def open(self, objects: dict, per_rank: set, obs, total_steps: int, note):
         """`objects` loaded from --load-model or --resume, rank 0's outputs opened; returns the envs' observation."""
         self.objects, self.per_rank, self.total_steps, saved, a = objects, per_rank, total_steps, self.saved, self.args
         groups = zip(saved["optimizer"]["param_groups"] if saved else [], objects["optimizer"].param_groups)
         for theirs, group in groups:
-            for key in [k for k, v in theirs.items() if k in group and k not in ("params", "lr") and group[k] != v]:
+            for key in [
+                k for k, v in theirs.items() if k in group and k not in ("params", "lr", "capturable") and group[k] != v
+            ]:
                 note(f"the checkpoint's optimizer {key} {theirs[key]} replaces the code's {group[key]}")
         try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save` wrote
             if self.model is not None:
@@ -136,7 +138,7 @@ class Seed:
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(self.args)}, f, indent=2)
         self.outputs.close(s["eval_mean_return"], self.progress.global_step)
-        if status != "refused":
+        if status != "refused" and self.says_result:
             print(f"{status}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
 
     def final_evaluation(self, summary: dict, evaluate, note) -> None:

@@ -1,4 +1,5 @@
-"""A run's seeds (K with --num-seeds, each a run of its own: seed.py, stacked: stacked.py), from start to end."""
+"""A run's seeds (K with --num-seeds, K per configuration with --sweep, each a run of its own: seed.py, stacked:
+stacked.py), from start to end."""
 
 import json
 import math
@@ -14,23 +15,27 @@ from ladder.progress import Progress
 from ladder.seed import Seed, new_folder
 from ladder.stacked import Stacked
 from ladder.statistics import aggregate, line
+from ladder.sweep import label, sweep_grid, table, write_ranking
 
 
 class Seeds:
     """`runs`: a Seed each as `run.start` builds it; `dir`: the aggregate folder (one seed: None); `stack`: K's."""
 
     def __init__(self, args, rank: int, world_size: int):
-        self.args, self.k, self.rank, self.world_size = args, args.num_seeds, rank, world_size
-        self.dir, self.flags = seeds_flags(args, world_size)
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.grid = sweep_grid(args) if args.sweep else [{}]  # --sweep: the configurations
+        self.dir, self.flags = seeds_flags(args, self.grid, world_size)
+        self.k = len(self.flags)
         self.progress, self.runs, self.observations, self.stack = Progress(self.k), [], [], None
         self.rows, self.flushed = [], -math.inf  # the scalars not written yet (the first iteration's: at once)
 
     def add(self, objects: dict, per_rank: set, obs, total_steps: int, note):
         """The next seed's run opened; the last's stacks the K seeds and their observations (`None` before)."""
         if len(self.runs) == self.k:
-            raise UsageError(f"run.start is called once for each of {self.k} seeds, in `for seed in run.seeds:`")
+            raise UsageError(f"run.start is called once for each of {self.k} runs, in `for args in run.args_per_run:`")
         flags, script = self.flags[len(self.runs)], script_file(type(self.args))
         seed = Seed(len(self.runs), flags, script, self.progress, self.rank, self.world_size)
+        seed.says_result = not self.args.sweep  # a sweep's runs: its table says them
         self.runs.append(seed)
         say = note if seed.index == 0 else lambda message: None  # seeds 2 to K: the first seed's notes say it for all
         self.observations.append(seed.open(objects, per_rank, obs, total_steps, say))
@@ -38,9 +43,9 @@ class Seeds:
             return self.observations[-1]
         if len({run.saved and run.saved["counters"]["iteration"] for run in self.runs}) > 1:
             raise UsageError(f"--resume {self.args.resume}: its seeds stopped at different iterations")
-        self.stack = Stacked([run.objects for run in self.runs])
+        self.stack = Stacked([run.objects for run in self.runs], self.flags, list(self.grid[0]))
         seed.own = self.stack.as_last_seed  # the lead's objects are the last seed's own
-        write_aggregate(self.dir, [run.dir for run in self.runs], self.args, final=False)
+        write_aggregate(self.dir, [run.dir for run in self.runs], self.args, self.grid, final=False)
         return None if obs is None else torch.stack(self.observations)
 
     def report(self, tags: list, columns, steps: int, total_steps: int) -> None:
@@ -50,6 +55,8 @@ class Seeds:
         if time.perf_counter() - self.flushed >= 10.0:  # TensorBoard's own writer keeps events up to 120 s anyway
             self.flush()
         recent, label = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})", "seed 1: " if self.k > 1 else ""
+        if self.args.sweep:
+            label = f"{len(self.grid)} configurations x {self.args.num_seeds} seeds, the first's: "
         self.runs[0].outputs.show(steps, p.global_step, total_steps, p.sps(), recent, label)
 
     def flush(self) -> None:
@@ -73,40 +80,47 @@ class Seeds:
             reached = status == "completed" and self.progress.target_reached[seed]
             status_k = "target return reached" if reached else status
             run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else lambda message: None)
-        if self.k > 1 and self.rank == 0 and len(self.runs) == self.k:
-            write_aggregate(self.dir, [run.dir for run in self.runs], self.args, final=True)
+        if self.k > 1 and self.rank == 0 and len(self.runs) == self.k and status != "refused":
+            write_aggregate(self.dir, [run.dir for run in self.runs], self.args, self.grid, final=True)
         if at_end and self.runs and self.runs[0].checkpointed >= 0:
             exc.resume = self.dir or self.runs[0].dir  # main's last line: the command that goes on
         if self.stack:  # the objects train() returns: the last seed's own state
             self.stack.release()
 
 
-def seeds_flags(args, world_size: int) -> tuple:
-    """(the aggregate folder, each seed's flags: a run of its own; the first films and shows the progress bar) of
-    --num-seeds K, with --resume or --load-model from the aggregate's folders. One seed: (None, [args])."""
-    k, first = args.num_seeds, args.seed
-    if k == 1:
-        return None, [args]
+def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
+    """(the aggregate folder, each run's flags: a run of its own; the first films and shows the progress bar) of
+    --num-seeds K, K runs of each configuration of a --sweep `grid` in turn, with --resume or --load-model from the
+    aggregate's folders. One run: (None, [its flags])."""
+    k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
+    if n == 1:
+        return None, [replace(args, sweep=(), **grid[0]) if args.sweep else args]
     if world_size > 1:
-        raise UsageError("--num-seeds stacks the seeds in one process: under torchrun, use --num-seeds 1")
-    dirs = (read_summary(args.resume or args.load_model) or {}).get("run_dirs")
-    if (args.resume or dirs) and len(dirs or []) != k:
+        what = "--sweep runs its configurations" if args.sweep else "--num-seeds stacks the seeds"
+        raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")
+    saved = read_summary(args.resume or args.load_model) or {}
+    dirs = saved.get("run_dirs")
+    if (args.resume or dirs) and len(dirs or []) != n:
         flag = "--resume" if args.resume else "--load-model"
-        raise UsageError(
-            f"{flag} with --num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-{first + k - 1}"
-            "__..), or --load-model one model for all"
-        )
+        seeds = f"--num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-{first + k - 1}__..)"
+        runs = f"this --sweep takes the aggregate folder of its {n} runs" if args.sweep else seeds
+        raise UsageError(f"{flag} with {runs}, or --load-model one model for all")
     if args.resume and all(finished(d, args) for d in dirs):  # as a seed's resume says for one seed
         raise UsageError(f"--resume {args.resume}: each seed has ended; raise --total-timesteps or --target-return")
-    folder = args.resume or new_folder(f"{args.env_id}__{args.exp_name}__{first}-{first + k - 1}")
+    sweep = f"{len(grid)}-configurations__" if args.sweep else ""
+    folder = args.resume or new_folder(f"{args.env_id}__{args.exp_name}__{sweep}{first}-{first + k - 1}")
     group = args.wandb_group or os.path.basename(os.path.normpath(folder))  # --track: a W&B run per seed, one group
 
-    def seed(i: int):
-        resume, model = args.resume and dirs[i], dirs[i] if dirs and args.load_model else args.load_model
-        shown = dict(capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)  # seed 1
-        return replace(args, seed=first + i, num_seeds=1, resume=resume, load_model=model, wandb_group=group, **shown)
+    def run(i: int):
+        config, resume, model = grid[i // k], args.resume and dirs[i], dirs[i] if dirs and args.load_model else None
+        name = f"{args.exp_name}-{label(config)}" if args.sweep else args.exp_name  # its folder and W&B name say it
+        shown = dict(
+            capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0
+        )  # the first
+        flags = dict(seed=first + i % k, num_seeds=1, sweep=(), exp_name=name, wandb_group=group, **config, **shown)
+        return replace(args, resume=resume, load_model=model or args.load_model, **flags)
 
-    return folder, [seed(i) for i in range(k)]
+    return folder, [run(i) for i in range(n)]
 
 
 def finished(run_dir: str, args) -> bool:
@@ -116,12 +130,16 @@ def finished(run_dir: str, args) -> bool:
     return done or s["status"] == "target return reached" and s["args"]["target_return"] == args.target_return
 
 
-def write_aggregate(folder: str, dirs: list[str], args, final: bool) -> None:
-    """The aggregate folder's summary.json: the seeds' folders (for --resume), at the end their statistics and line."""
+def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final: bool) -> None:
+    """The aggregate folder's summary.json: the runs' folders (for --resume), at the end their statistics and line,
+    or a --sweep's ranking of its configurations (ranking.csv, ranking.json, learning_curves.png)."""
     summaries = [summary for summary in map(read_summary, dirs if final else []) if summary is not None]
     agg = aggregate(summaries) if summaries else {}
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "summary.json"), "w") as f:
         json.dump({"run_dirs": dirs, "num_seeds": len(dirs), **agg, "args": asdict(args)}, f, indent=2)
-    if final and summaries:
+    if final and args.sweep and len(summaries) == len(dirs):
+        rows = write_ranking(folder, grid, dirs, summaries)
+        print(f"{len(grid)} configurations x {args.num_seeds} seeds, ranked:\n{table(rows)}\noutputs in {folder}")
+    elif final and summaries:
         print(f"{len(dirs)} seeds: {line(agg)}; outputs in {folder}")

@@ -15,10 +15,11 @@ from ladder.optim import Adam, Calling
 
 
 class Stacked:
-    """`seeds[k]`: seed k's objects by name. Their tensors stacked at the lead's places; the others hold their rows."""
+    """`seeds[k]`: seed k's objects by name. Their tensors stacked at the lead's places; the others hold their rows.
+    `flags[k]`: its flags (`swept`: the float flags that differ, which the lead's flags hold in a call as tensors)."""
 
-    def __init__(self, seeds: list[dict]):
-        self.seeds, self.lead, self.k = seeds, seeds[-1], len(seeds)
+    def __init__(self, seeds: list[dict], flags: list = (), swept: list[str] = ()):
+        self.seeds, self.lead, self.k, self.flags, self.swept = seeds, seeds[-1], len(seeds), flags, swept
         if [obj for obj in self.lead.values() if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, Adam)]:
             raise UsageError("--num-seeds: the seeds' optimizer must be ladder.optim.Adam, whose step vmap runs")
         self.adams = [obj for obj in self.lead.values() if isinstance(obj, Adam)]
@@ -34,6 +35,8 @@ class Stacked:
             place_values(mine, rows, [obj for obj in objects.values() if isinstance(obj, Adam)])
         place_values(self.slots, self.values, self.adams)
         self.theirs, self.calls, self.as_seed = theirs, {}, False
+        device = self.values[0].device
+        self.hyper = [torch.tensor([getattr(f, name) for f in flags], device=device) for name in swept]
 
     def sync(self) -> None:
         """A stacked tensor the lead's code replaced (out of place, between calls), copied into the stack."""
@@ -64,10 +67,7 @@ class Stacked:
         self.sync()
         for objects in self.seeds[:-1]:
             for name, lead in self.lead.items():
-                if isinstance(lead, Adam):
-                    for group, lead_group in zip(objects[name].param_groups, lead.param_groups):
-                        group["lr"].copy_(lead_group["lr"])
-                elif name != "envs" and not slots({name: lead}):
+                if name != "envs" and not slots({name: lead}):
                     objects[name].load_state_dict(lead.state_dict())
 
     def one_by_one(self, fn, *args):
@@ -77,8 +77,12 @@ class Stacked:
         leaves, spec = pytree.tree_flatten(args)
         for k, objects in enumerate(self.seeds):
             own = [objects[names[id(x)]] if id(x) in names else x[k] if torch.is_tensor(x) else x for x in leaves]
-            with self.as_last_seed() if k == self.k - 1 else contextlib.nullcontext():
-                outs.append(fn(*pytree.tree_unflatten(own, spec)))
+            kept = put_flags(self.flags, self.swept, [getattr(self.flags[k], name) for name in self.swept])
+            try:
+                with self.as_last_seed() if k == self.k - 1 else contextlib.nullcontext():
+                    outs.append(fn(*pytree.tree_unflatten(own, spec)))
+            finally:
+                put_flags(self.flags, self.swept, kept)
             if k < self.k - 1:
                 copy_replaced(self.theirs[k], self.rows[k])
         flat, specs = zip(*map(pytree.tree_flatten, outs))  # the K seeds' results stacked
@@ -99,11 +103,12 @@ class Stacked:
         if (layout := (id(fn), str(spec), *others)) not in self.calls:
             kept = [(torch.is_tensor(x), None if torch.is_tensor(x) else x) for x in leaves]  # (compiled: guarded)
 
-            def on_one_seed(values, tensors):
+            def on_one_seed(values, tensors, hyper):
                 own = [(place, value) for place, value, name in zip(self.slots, values, self.names) if name is None]
                 originals = [value_at(place) for place, _ in own]
                 for place, value in own:
                     place_value(place, value)
+                flags = put_flags(self.flags, self.swept, hyper)  # the run's own, as tensors
                 tensors = iter(tensors)
                 args = pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec)
                 call = lambda: (fn(*args), [value_at(place) for place in self.slots])  # noqa: E731  (read inside)
@@ -115,15 +120,26 @@ class Stacked:
                 finally:  # (functional_call puts the parameters back itself)
                     for (place, _), value in zip(own, originals):
                         place_value(place, value)
+                    put_flags(self.flags, self.swept, flags)
 
             vmapped = torch.func.vmap(on_one_seed, randomness="different")
             self.calls[layout] = compiled(vmapped) if compile else vmapped
-        out, state = refusing(self.calls[layout], self.values, [x for x in leaves if torch.is_tensor(x)])
+        tensors = [x for x in leaves if torch.is_tensor(x)]
+        out, state = refusing(self.calls[layout], self.swept, self.values, tensors, self.hyper)
         with torch.no_grad():
             for value, changed in zip(self.values, state):
                 if changed is not value:
                     value.copy_(changed)
         return pytree.tree_map(lambda x: x.contiguous() if torch.is_tensor(x) else x, out)
+
+
+def put_flags(flags: list, names: list[str], values: list) -> list:
+    """The lead's flags (the last run's, which train() reads) holding `values` for `names`; returns the values they had.
+    (A frozen dataclass: object.__setattr__, as its own __init__ sets fields.)"""
+    kept = [getattr(flags[-1], name) for name in names]
+    for name, value in zip(names, values):  # (no names: no flags)
+        object.__setattr__(flags[-1], name, value)
+    return kept
 
 
 def slots(objects: dict) -> list[tuple]:
@@ -132,7 +148,7 @@ def slots(objects: dict) -> list[tuple]:
     objects, adams = list(objects.values()), [obj for obj in objects.values() if isinstance(obj, Adam)]
     held = {id(p) for adam in adams for group in adam.param_groups for p in group["params"]}
     modules = list(dict.fromkeys(m for obj in objects if isinstance(obj, nn.Module) for m in obj.modules()))
-    tables = [t for adam in adams for t in (adam.held, adam.state["flat"])]
+    tables = [t for adam in adams for t in (adam.held, adam.state["flat"], *adam.param_groups)]  # (rates: each run's)
     tables += [obj for obj in objects if not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
     items = lambda t: t.items() if isinstance(t, dict) else vars(t).items()
     tensors = lambda m: [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]
@@ -172,7 +188,7 @@ def copy_replaced(places: list, values: list) -> None:
             place_values([place], [value], [])
 
 
-def refusing(call, *args):
+def refusing(call, swept: list[str], *args):
     """`call(*args)`; what vmap cannot do (a host read, a branch on a value) ends the run in one line naming yours."""
     try:
         return call(*args)
@@ -182,4 +198,8 @@ def refusing(call, *args):
         where, cause = your_line(traceback.extract_tb(e.__traceback__)), str(e).splitlines()[0][:160]
         if "backward() called inside a functorch transform" in cause:  # CleanRL's update
             cause = "loss.backward() cannot run vmapped: take the gradient with optimizer.backward(loss_fn, agent, ...)"
+        if swept and ("data-dependent control flow" in cause or ".item()" in cause):
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in swept)
+            why = "a flag Python reads as a number cannot be swept"
+            raise UsageError(f"--sweep {flags}: {cause} ({where}): {why}") from None
         raise UsageError(f"--num-seeds: {cause} ({where}); see docs/modifying.md#many-seeds") from None

@@ -392,7 +392,7 @@ def small_args(module, **flags):
 
 def train_seeds(module, args) -> list:
     """`module.train(args)` with --num-seeds K as main() runs it: each seed's agent (its own objects, built by its pass
-    of `for seed in run.seeds:`, holding its own state after the run)."""
+    of `for args in run.args_per_run:`, holding its own state after the run)."""
     agents, start = [], module.Run.start
 
     def recording(self, agent, *rest, **stateful):
@@ -404,7 +404,7 @@ def train_seeds(module, args) -> list:
         agent = module.train(args)
     finally:
         module.Run.start = start
-    return agents if args.num_seeds > 1 else [agent]
+    return agents if len(agents) > 1 else [agent]  # (K runs: --num-seeds, --sweep)
 
 
 def stop_with_sigterm_at(module, monkeypatch, iteration: int) -> None:

@@ -92,9 +92,8 @@ class Memory(nn.Module):
 """,
     ),
     (
-        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]\n',
-        '            initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]\n'
-        "            memory = Memory(N, device)\n",
+        '                group["first_lr"] = group["lr"].double()\n',
+        '                group["first_lr"] = group["lr"].double()\n            memory = Memory(N, device)\n',
     ),
     (
         "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)\n",

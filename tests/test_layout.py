@@ -167,17 +167,17 @@ def test_every_script_takes_the_same_gradient_step(name):
 @pytest.mark.parametrize("name", TENSOR_SCRIPTS)
 @pytest.mark.quick
 def test_train_shows_which_functions_an_iteration_runs(name):
-    """What `train()` shows is what runs: the set-up once per seed (`for seed in run.seeds:`), the phases as written,
-    the script's own `gradient_step` among them, and a fast path that transforms them in one visible place (LeanRL's
-    `if args.compile: update = torch.compile(update)`): --compile each phase (PPO: an epoch's steps) or the whole
-    iteration (VPG), the iteration stacked for K seeds or recorded as a CUDA graph. No mode replaces a function:
+    """What `train()` shows is what runs: the set-up once per run (`for args in run.args_per_run:`), the phases as
+    written, the script's own `gradient_step` among them, and a fast path that transforms them in one visible place
+    (LeanRL's `if args.compile: update = torch.compile(update)`): --compile each phase (PPO: an epoch's steps) or the
+    whole iteration (VPG), the iteration stacked for K seeds or recorded as a CUDA graph. No mode replaces a function:
     ladder holds no gradient step of its own."""
     train = inspect.getsource(import_script(name).train)
-    assert "for seed in run.seeds:" in train
+    assert "for args in run.args_per_run:" in train
     assert re.search(r"phases = \([a-z_, ]*gradient_step\)|partial\(gradient_step, agent", train), "the script's step"
     whole = "compiled(one_iteration) if args.compile else one_iteration"
     assert "= map(compiled, phases) if args.compile else phases" in train or whole in train
-    assert "if args.num_seeds > 1:" in train and "run.stacked(" in train
+    assert "if len(run.args_per_run) > 1:" in train and "run.stacked(" in train
     assert re.search(r"else:  # .*on a GPU: .*recorded once as a CUDA graph", train) and "= CudaGraph(" in train
     for path in LADDER:
         assert "def gradient_step" not in text(path) and "torch.func.grad(" not in text(path) or "optim" in path

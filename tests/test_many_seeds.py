@@ -219,7 +219,7 @@ def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp
 @pytest.mark.parametrize("script, flags, message", [
     ("ppo_cartpole_gpu", ["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a "
                                                   "Tensor in some data-dependent control flow"),  # a branch per seed
-    ("reinforce", ["--compile"], "--compile does not go with --num-seeds here"),  # one graph per update length
+    ("reinforce", ["--compile"], "--compile does not go with --num-seeds or --sweep here"),  # a graph per length
 ])  # fmt: skip
 def test_what_cannot_be_stacked_is_refused_in_one_line(script, flags, message, in_tmp):
     result = call_main(script, "--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "2048",
