@@ -393,7 +393,7 @@ def train(args: Args, envs=None) -> Agent:
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
             for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
-                group["first_lr"] = group["lr"].double()
+                group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)

@@ -405,7 +405,7 @@ def train(args: Args) -> Agent:
             agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
             for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
-                group["first_lr"] = group["lr"].double()
+                group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
             scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             total_steps = num_iterations * T * N * world_size

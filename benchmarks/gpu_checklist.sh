@@ -11,6 +11,9 @@
 #                                                  # K = 1 and 256 at 128 envs x 100k steps (with --cuda-graph; 256
 #                                                  # also with --compile), and
 #                                                  # the JAX peer vmapped over 256 seeds
+#   bash benchmarks/gpu_checklist.sh sweep         # --sweep on cuda: the sweep's tests, then 16 learning rates x 16
+#                                                  # seeds at 128 envs x 100k steps (eager and --compile, each with
+#                                                  # --cuda-graph) against the JAX peer vmapped over the same 256 runs
 set -u
 LOGS=${LOGS:-gpu_logs}
 mkdir -p "$LOGS"
@@ -71,8 +74,19 @@ seeds)
   timed seeds_jax_256 $PY benchmarks/jax_ppo_cartpole.py --num-seeds 256 --total-timesteps 100000 \
     --target-return inf
   ;;
+sweep)
+  timeout 300 $PY -m pytest -q tests/test_sweep.py 2>&1 | tee "$LOGS/sweep_tests.log"
+  LRS=$($PY -c "import numpy as np; print(','.join(f'{x:.3g}' for x in np.geomspace(1e-4, 3e-2, 16)))")
+  for mode in eager compile; do
+    timed "sweep_$mode" $PY ppo_cartpole_gpu.py --sweep "learning-rate=$LRS" --num-seeds 16 --cuda-graph \
+      $([ $mode = compile ] && echo --compile) --total-timesteps 100000 --target-return None --eval-episodes 0 \
+      --no-progress-bar --exp-name "sweep_$mode"  # compiling apart: setup_parts in each run's summary.json
+  done
+  timed sweep_jax $PY benchmarks/jax_ppo_cartpole.py --learning-rates "$LRS" --num-seeds 16 \
+    --total-timesteps 100000 --target-return inf
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax|graph|seeds" >&2
+  echo "usage: bash benchmarks/gpu_checklist.sh correctness|cartpole|brax|graph|seeds|sweep" >&2
   exit 2
   ;;
 esac

@@ -59,7 +59,7 @@ class Outputs:
         """The progress bar moved on by `steps`, or, without a terminal, a line every 30 s."""
         if self.progress is not None:
             self.progress.update(steps)
-            self.progress.set_postfix(SPS=sps, ret=recent, refresh=False)
+            self.progress.set_postfix(SPS=sps, ret=f"{label}{recent}", refresh=False)
         elif self.last_line is not None and time.perf_counter() - self.last_line >= PROGRESS_LINE_SECONDS:
             self.last_line = time.perf_counter()
             speed = f"{sps:,} SPS, {tqdm.format_interval((total - done) / sps)} left" if sps else "compiling"

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import os
 import sys
 import time
 
@@ -120,13 +121,15 @@ class Run(contextlib.AbstractContextManager):
                 continue
             seed.next_check = p.episodes[i] + 100
             reached = f"the last 100 episodes' mean return {mean[i]:.1f} reached the target"
-            self.note(f"{reached}: evaluating the policy to confirm")
+            if self.k == 1:  # (K runs: a line each would bury the progress; one that trains on says which)
+                self.note(f"{reached}: evaluating the policy to confirm")
             seed.eval_returns = seed.play(self.evaluate, None) if self.rank == 0 else [-math.inf]
             ok = torch.tensor(float(np.mean(seed.eval_returns) >= target), device=self.device)
             if self.world_size > 1:  # the ranks stop together
                 dist.broadcast(ok, src=0)
             if not ok:
-                self.note(f"the evaluation's mean return is {np.mean(seed.eval_returns):.1f}: training on")
+                who = f"{os.path.basename(seed.dir)}: " if self.k > 1 else ""
+                self.note(f"{who}the evaluation's mean return is {np.mean(seed.eval_returns):.1f}: training on")
             p.target_reached[i], self.clock = bool(ok), time.perf_counter()  # the evaluation: not training time
         return bool(p.target_reached.all())
 
@@ -180,6 +183,8 @@ def check_objects(objects: dict, args, k: int) -> None:
             )
         if getattr(args, "anneal_lr", False):  # train()'s annealing would set the rate over the scheduler's
             raise UsageError("a torch.optim.lr_scheduler and --anneal-lr both set the rate: pass --no-anneal-lr")
+        if args.sweep:  # its runs' rates are one tensor of them all, which torch's schedulers cannot fill
+            raise UsageError("--sweep with a torch.optim.lr_scheduler: torch's schedulers set one rate for every run")
     kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
     dropouts = [m for v in objects.values() if isinstance(v, nn.Module) for m in v.modules() if isinstance(m, kinds)]
     if k > 1 and args.compile and args.device == "cpu" and dropouts:  # docs/modifying.md#the-agent

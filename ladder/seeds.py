@@ -15,7 +15,7 @@ from ladder.progress import Progress
 from ladder.seed import Seed, new_folder
 from ladder.stacked import Stacked
 from ladder.statistics import aggregate, line
-from ladder.sweep import label, sweep_grid, table, write_ranking
+from ladder.sweep import config_name, sweep_grid, table, write_ranking
 
 
 class Seeds:
@@ -113,7 +113,9 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
 
     def run(i: int):
         config, resume, model = grid[i // k], args.resume and dirs[i], dirs[i] if dirs and args.load_model else None
-        name = f"{args.exp_name}-{label(config)}" if args.sweep else args.exp_name  # its folder and W&B name say it
+        name = (
+            f"{args.exp_name}-{config_name(config)}" if args.sweep else args.exp_name
+        )  # its folder and W&B name say it
         shown = dict(
             capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0
         )  # the first

@@ -24,7 +24,7 @@ class Stacked:
             raise UsageError("--num-seeds: the seeds' optimizer must be ladder.optim.Adam, whose step vmap runs")
         self.adams = [obj for obj in self.lead.values() if isinstance(obj, Adam)]
         self.root = Calling(*[obj for obj in self.lead.values() if isinstance(obj, nn.Module)])
-        self.slots, theirs = slots(self.lead), [slots(objects) for objects in seeds]
+        self.slots, theirs = slots(self.lead, bool(swept)), [slots(objects, bool(swept)) for objects in seeds]
         self.names = [self.root.names.get((id(table), key)) for table, key in self.slots]  # a parameter's, or None
         if any([key for _, key in mine] != [key for _, key in self.slots] for mine in theirs):
             raise UsageError("--num-seeds: the seeds' agents, envs or optimizers differ in their tensors")
@@ -67,7 +67,10 @@ class Stacked:
         self.sync()
         for objects in self.seeds[:-1]:
             for name, lead in self.lead.items():
-                if name != "envs" and not slots({name: lead}):
+                if isinstance(lead, Adam) and not self.swept:  # the rates: the lead's, which the stacked call reads
+                    for group, lead_group in zip(objects[name].param_groups, lead.param_groups):
+                        group["lr"].copy_(lead_group["lr"])
+                elif name != "envs" and not slots({name: lead}):
                     objects[name].load_state_dict(lead.state_dict())
 
     def one_by_one(self, fn, *args):
@@ -142,13 +145,14 @@ def put_flags(flags: list, names: list[str], values: list) -> list:
     return kept
 
 
-def slots(objects: dict) -> list[tuple]:
+def slots(objects: dict, rates: bool = False) -> list[tuple]:
     """Where the tensors of `objects` live, (table, key): modules' buffers and other objects' attributes (the object
-    their table: dynamo sees only what is set on it), modules' parameters (an Adam's flat ones instead), its moments."""
+    their table: dynamo sees only what is set on it), modules' parameters (an Adam's flat ones instead), its moments,
+    with `rates` its param groups' tensors (a --sweep's runs' own; else the lead's, one for all, as schedulers set)."""
     objects, adams = list(objects.values()), [obj for obj in objects.values() if isinstance(obj, Adam)]
     held = {id(p) for adam in adams for group in adam.param_groups for p in group["params"]}
     modules = list(dict.fromkeys(m for obj in objects if isinstance(obj, nn.Module) for m in obj.modules()))
-    tables = [t for adam in adams for t in (adam.held, adam.state["flat"], *adam.param_groups)]  # (rates: each run's)
+    tables = [t for adam in adams for t in (adam.held, adam.state["flat"], *(adam.param_groups if rates else []))]
     tables += [obj for obj in objects if not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
     items = lambda t: t.items() if isinstance(t, dict) else vars(t).items()
     tensors = lambda m: [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]

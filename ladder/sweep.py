@@ -43,7 +43,7 @@ def sweep_grid(args) -> list[dict]:
     return grid
 
 
-def label(config: dict) -> str:
+def config_name(config: dict) -> str:
     return ",".join(f"{name.replace('_', '-')}={value:g}" for name, value in config.items())
 
 
@@ -54,16 +54,19 @@ def write_ranking(folder: str, grid: list[dict], dirs: list[str], summaries: lis
     for i, config in enumerate(grid):
         agg = aggregate(summaries[i * k : (i + 1) * k])
         low, high = agg["eval_iqm_ci95"] or (None, None)
-        row = dict(config=label(config), **config, eval_iqm=agg["eval_iqm"], ci95_low=low, ci95_high=high)
+        row = dict(config=config_name(config), **config, eval_iqm=agg["eval_iqm"], ci95_low=low, ci95_high=high)
         rows.append(row | dict(solved=agg["solved"] / agg["runs"], solved_at_step_median=agg["solved_at_step_median"]))
-    rows.sort(key=lambda row: -np.inf if row["eval_iqm"] is None else row["eval_iqm"], reverse=True)
+    worst = lambda x, sign: np.inf if x is None else sign * x  # noqa: E731  (ties: more solved, then sooner)
+    rows.sort(key=lambda r: (worst(r["eval_iqm"], -1), -r["solved"], worst(r["solved_at_step_median"], 1)))
     with open(os.path.join(folder, "ranking.json"), "w") as f:
         json.dump(rows, f, indent=2)
     with open(os.path.join(folder, "ranking.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot_curves(os.path.join(folder, "learning_curves.png"), [label(c) for c in grid], [curve(d) for d in dirs], k)
+    plot_curves(
+        os.path.join(folder, "learning_curves.png"), [config_name(c) for c in grid], [curve(d) for d in dirs], k
+    )
     return rows
 
 

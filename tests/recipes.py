@@ -92,8 +92,8 @@ class Memory(nn.Module):
 """,
     ),
     (
-        '                group["first_lr"] = group["lr"].double()\n',
-        '                group["first_lr"] = group["lr"].double()\n            memory = Memory(N, device)\n',
+        '                group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)\n',
+        '                group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)\n            memory = Memory(N, device)\n',
     ),
     (
         "        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)\n",
@@ -338,6 +338,18 @@ FLAT_RMSPROP = [
         + STEP_ANCHOR,
     ),
     (ADAM_LINE, "            optimizer = RMSprop(agent, lr=args.learning_rate, eps=1e-5)\n"),
+]
+# docs/modifying.md's "Sweeping --max-grad-norm": the clip with a tensor max norm, which torch's reads with float()
+SWEPT_CLIP = [
+    (
+        """    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
+""",
+        """    grads = [p.grad for p in agent.parameters() if p.grad is not None]  # clip_grad_norm_, its max norm a tensor
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for g in grads:
+        g.mul_(torch.clamp(args.max_grad_norm / (norm + 1e-6), max=1.0))
+""",
+    ),
 ]
 CLEANRL = {"CleanRL's update": CLEANRL_UPDATE, "torch.optim.SGD": TORCH_SGD, "SGD": FLAT_SGD, "RMSprop": FLAT_RMSPROP}
 ALL_THREE = OBSERVATION_NORMALISATION + RND[1:] + POLYAK_TARGET

@@ -27,6 +27,9 @@ from ladder.optim import Adam
 from ladder.seeds import seeds_flags
 from ladder.stacked import Stacked
 from ladder.sweep import sweep_grid
+from recipes import SWEPT_CLIP, recipe_copy, recipe_diff
+
+PPO = os.path.join(ROOT, "ppo_cartpole_gpu.py")
 
 
 def aggregate_folder(tmp, exp_name: str) -> tuple[str, list[str]]:
@@ -82,27 +85,30 @@ def test_atari_refuses_a_sweep_in_one_line(tmp_path):
 
 def learn(module, agent, optimizer, rollout, args):
     """The update `train()`'s iteration makes of a rollout (PPO: the epochs of minibatch steps; VPG: its step)."""
-    if module.__name__.startswith("ppo"):
+    if hasattr(module, "ppo_loss"):
         step = functools.partial(module.gradient_step, agent, optimizer, module.ppo_loss, args)
         return module.update(functools.partial(module.one_epoch, step), module.make_batch(agent, rollout, args), args)
     step = functools.partial(module.gradient_step, agent, optimizer, module.vpg_loss, args)
     return module.update(step, module.make_batch(agent, rollout, args), args)
 
 
-@pytest.mark.parametrize("script", ["ppo_cartpole_gpu", "vpg"])
-def test_each_configuration_learns_in_the_stacked_call_as_alone(script):
+@pytest.mark.parametrize("script", ["ppo_cartpole_gpu", "vpg", "swept clip"])
+def test_each_configuration_learns_in_the_stacked_call_as_alone(script, tmp_path):
     """One update of two runs stacked, whose flags differ in five or six swept values at once (the rate Adam reads, the
-    discount and GAE's lambda, the loss's coefficients and its clipping): each run's weights and losses are those of
+    discount and GAE's lambda, the loss's coefficients and its clipping; the clip recipe's max norm): each run's
+    weights and losses are those of
     the same update made alone with its flags, within float tolerance; Python's float flags are each run's tensors
     inside the call. (One minibatch: its shuffled order changes only the sums' order.)"""
-    M = import_script(script)
+    M = import_script(script) if script != "swept clip" else recipe_copy(PPO, str(tmp_path), SWEPT_CLIP, "clip")
     values = [
         dict(learning_rate=1e-2, gamma=0.9, gae_lambda=0.8, ent_coef=0.0, vf_coef=0.5, clip_coef=0.1),
         dict(learning_rate=3e-3, gamma=0.99, gae_lambda=0.95, ent_coef=0.1, vf_coef=2.0, clip_coef=0.3),
     ]
-    names = list(values[0]) if script == "ppo_cartpole_gpu" else list(values[0])[:5]  # VPG's may be None: not swept
-    same = dict(num_minibatches=1, update_epochs=2) if script == "ppo_cartpole_gpu" else dict(clip_coef=0.2)
+    names = list(values[0]) if script != "vpg" else list(values[0])[:5]  # VPG's clip_coef may be None: not swept
+    same = dict(num_minibatches=1, update_epochs=2) if script != "vpg" else dict(clip_coef=0.2)
     values = [v | same | dict(max_grad_norm=0.05) for v in values]  # (clipped: both)
+    if script == "swept clip":  # its max norm swept too: one run clipped, the other not
+        values[1]["max_grad_norm"], names = 5.0, names + ["max_grad_norm"]
     flags = [small_args(M, num_envs=8, num_steps=8, **v) for v in values]
 
     def build(k):
@@ -244,3 +250,29 @@ def test_a_sweep_replayed_as_a_cuda_graph_equals_it_as_written(script, in_tmp, m
         assert scalars(a) == scalars(b), f"run {k + 1}"
         for key, value in plain[k].state_dict().items():
             assert torch.equal(value, replayed[k].state_dict()[key]), f"run {k + 1}: {key}"
+
+
+@pytest.mark.quick
+def test_the_docs_show_the_clip_recipe_as_the_tests_make_it():
+    with open(os.path.join(ROOT, "docs", "modifying.md")) as f:
+        shown = f.read().split("<!-- recipe: swept clip -->\n```diff\n", 1)[1].split("\n```", 1)[0]
+    assert shown == recipe_diff(PPO, SWEPT_CLIP)
+
+
+def test_the_clip_recipe_sweeps_max_grad_norm(in_tmp):
+    """The recipe's copy sweeps --max-grad-norm from the command line (torch's clip_grad_norm_ refuses it, above)."""
+    recipe_copy(PPO, str(in_tmp), SWEPT_CLIP, "clip")
+    result = run_script(str(in_tmp / "clip_ppo_cartpole_gpu"), "--sweep", "max-grad-norm=0.05,5", "--num-envs", "8",
+                        "--total-timesteps", "1024", "--eval-episodes", "1", "--no-progress-bar", cwd=in_tmp,
+                        env=os.environ | {"PYTHONPATH": ROOT})  # fmt: skip
+    assert result.returncode == 0 and "2 configurations x 1 seeds, ranked:" in result.stdout, result.stderr
+
+
+def test_a_scheduler_with_a_sweep_is_refused_in_one_line(in_tmp, monkeypatch):
+    """A sweep's rates are one tensor of its runs', which torch's schedulers (`fill_` of one number) cannot set."""
+    from test_modifications import lr_scheduler, short_flags
+
+    lr_scheduler(import_script("ppo_cartpole_gpu"), monkeypatch)
+    result = call_main("ppo_cartpole_gpu", *short_flags("ppo_cartpole_gpu"), "--no-anneal-lr", "--sweep",
+                       "ent-coef=0,0.01", cwd=in_tmp)  # fmt: skip
+    assert_one_error_line(result, "--sweep with a torch.optim.lr_scheduler: torch's schedulers set one rate")
