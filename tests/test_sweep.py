@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (
     ROOT,
@@ -168,6 +169,23 @@ def test_a_sweep_is_a_run_per_configuration_and_seed_ranked_in_its_aggregate(scr
     out = capsys.readouterr().out
     assert "4 configurations x 2 seeds, ranked:" in out and "completed:" not in out
     assert read_json(os.path.join(group, "summary.json"))["args"]["sweep"] == list(args.sweep)
+    events = EventAccumulator(dirs[0])  # TensorBoard's HPARAMS tab: each run's flags, compared across folders
+    events.Reload()
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+
+
+@pytest.mark.parametrize("script", ["reinforce", "ppo_mujoco_brax"])
+def test_reinforce_and_brax_sweep_as_their_seeds_stack(script, in_tmp):
+    """REINFORCE (its chunks and update stacked) and Brax (its JAX envs stepped run by run, its update stacked): two
+    discounts, a run folder each with its own, ranked."""
+    M = import_script(script)
+    brax = dict(env_id="inverted_pendulum", num_envs=16, num_steps=10, num_minibatches=4, total_timesteps=480)
+    brax |= dict(eval_episodes=0)  # (as test_many_seeds.py's two Brax seeds: JAX's compilations shared)
+    args = small_args(M, exp_name="grid", sweep=("gamma=0.9,0.99",), **(brax if script == "ppo_mujoco_brax" else {}))
+    train_seeds(M, args)
+    group, dirs = aggregate_folder(in_tmp, "grid")
+    assert [read_json(os.path.join(d, "summary.json"))["args"]["gamma"] for d in dirs] == [0.9, 0.99]
+    assert len(read_json(os.path.join(group, "ranking.json"))) == 2
 
 
 def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_through(in_tmp, monkeypatch):
