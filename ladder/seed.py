@@ -40,10 +40,9 @@ class Seed:
         """`objects` loaded from --load-model or --resume, rank 0's outputs opened; returns the envs' observation."""
         self.objects, self.per_rank, self.total_steps, saved, a = objects, per_rank, total_steps, self.saved, self.args
         groups = zip(saved["optimizer"]["param_groups"] if saved else [], objects["optimizer"].param_groups)
+        unnoted = ("params", "lr", "capturable")  # the rate: the flag's, annealed; capturable: ladder's Adam's own
         for theirs, group in groups:
-            for key in [
-                k for k, v in theirs.items() if k in group and k not in ("params", "lr", "capturable") and group[k] != v
-            ]:
+            for key in [k for k, v in theirs.items() if k in group and k not in unnoted and group[k] != v]:
                 note(f"the checkpoint's optimizer {key} {theirs[key]} replaces the code's {group[key]}")
         try:  # --load-model: a checkpoint's agent or a saved model; --resume: all that `save` wrote
             if self.model is not None:

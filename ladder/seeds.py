@@ -113,12 +113,9 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
 
     def run(i: int):
         config, resume, model = grid[i // k], args.resume and dirs[i], dirs[i] if dirs and args.load_model else None
-        name = (
-            f"{args.exp_name}-{config_name(config)}" if args.sweep else args.exp_name
-        )  # its folder and W&B name say it
-        shown = dict(
-            capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0
-        )  # the first
+        # a sweep's run: its values in its name (its folder's, W&B's); the first run films and shows the progress
+        name = f"{args.exp_name}-{config_name(config)}" if args.sweep else args.exp_name
+        shown = dict(capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)
         flags = dict(seed=first + i % k, num_seeds=1, sweep=(), exp_name=name, wandb_group=group, **config, **shown)
         return replace(args, resume=resume, load_model=model or args.load_model, **flags)
 

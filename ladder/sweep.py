@@ -6,7 +6,7 @@ import difflib
 import itertools
 import json
 import os
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import numpy as np
 
@@ -17,7 +17,8 @@ WHY_NOT = {"int": "an int flag sets shapes or counts", "bool": "a bool flag pick
 
 
 def sweep_grid(args) -> list[dict]:
-    """Every configuration of `args.sweep` ({flag: value}, the grid of the flags' values), checked by `Args`' rules."""
+    """Every configuration of `args.sweep` ({flag: value}, the grid of the flags' values; `Args`' own rules check each
+    when seeds_flags makes its runs' flags)."""
     kinds = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(args)}
     axes = {}
     for spec in args.sweep:
@@ -37,10 +38,7 @@ def sweep_grid(args) -> list[dict]:
             axes[name] = [float(value) for value in values.split(",")]
         except ValueError as e:
             raise UsageError(f"--sweep {flag}: {str(e).split(': ')[-1]} is not a number") from None
-    grid = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-    for config in grid:  # a value out of range: Args' own one line
-        replace(args, sweep=(), **config)
-    return grid
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def config_name(config: dict) -> str:
@@ -64,9 +62,8 @@ def write_ranking(folder: str, grid: list[dict], dirs: list[str], summaries: lis
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot_curves(
-        os.path.join(folder, "learning_curves.png"), [config_name(c) for c in grid], [curve(d) for d in dirs], k
-    )
+    labels, curves = [config_name(config) for config in grid], [curve(run_dir) for run_dir in dirs]
+    plot_curves(os.path.join(folder, "learning_curves.png"), labels, curves, k)
     return rows
 
 

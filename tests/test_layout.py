@@ -259,10 +259,10 @@ def test_a_reader_looks_up_no_more_ladder_names_than_listed(name):
 def test_ladder_and_the_five_scripts_keep_their_budgets():
     """Each script at most 600 lines and 36,000 characters, read end to end; ladder/ at most 1,600 lines (issue 56's
     budgets, for its redesign and what follows; before, the five scripts and ladder/ together at most 4,300, which
-    issue 55's fixes passed), and issue 67's --sweep beside them (181 lines: over the 1,600, said openly).
+    issue 55's fixes passed), and issue 67's --sweep beside them (174 lines: over the 1,600, said openly).
     docs/tests.md, "Line budgets", says what each holds and what would have to give for 1,600."""
     ladder_lines = sum(len(text(path).splitlines()) for path in LADDER)
-    assert ladder_lines <= 1600 + 181, f"ladder/ has {ladder_lines} lines"
+    assert ladder_lines <= 1600 + 174, f"ladder/ has {ladder_lines} lines"
     for name in ALL_SCRIPTS:
         lines, characters = len(text(script_path(name)).splitlines()), len(text(script_path(name)))
         assert lines <= 600 and characters <= 36_000, f"{name}.py: {lines} lines, {characters:,} characters"
