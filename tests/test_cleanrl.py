@@ -53,7 +53,8 @@ def test_cleanrls_update_with_ladders_adam_trains_as_the_script_compiled_and_res
     eager, _, resumed = three_ways(copy, monkeypatch, in_tmp, script="ppo_cartpole_gpu", compile=False)
     assert_alike(eager, ours, "loss.backward() against optimizer.backward", atol=1e-5, rtol=1e-4)
     flags = ["--num-envs", "32", "--num-steps", "16", "--total-timesteps", str(32 * 16 * 6), "--eval-episodes", "0"]
-    flags += ["--target-return", "None", "--no-progress-bar", "--compile", "--save-model", "--exp-name", "compiled"]
+    flags += ["--num-minibatches", "2", "--target-return", "None", "--no-progress-bar", "--compile", "--save-model"]
+    flags += ["--exp-name", "compiled"]  # (small_args' run, from the command line)
     monkeypatch.setitem(PATHS, copy.__name__, copy.__file__)
     result = run_script(copy.__name__, *flags, cwd=in_tmp, env={"PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr
