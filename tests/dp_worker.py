@@ -190,8 +190,8 @@ def main(out: str) -> None:
         half = type(batch)(*(x[16 * rank : 16 * (rank + 1)] for x in batch))
         torch.save(updated(name, half), os.path.join(out, f"update_{name}_rank{rank}.pt"))
     os.chdir(out)
-    args = P.Args(num_envs=16, num_steps=8, total_timesteps=2 * 16 * 8 * 5, target_return=None, eval_episodes=0,
-                  progress_bar=False, device="cpu")  # fmt: skip
+    args = P.Args(num_envs=16, num_steps=8, num_minibatches=2, total_timesteps=2 * 16 * 8 * 5, target_return=None,
+                  eval_episodes=0, progress_bar=False, device="cpu")  # fmt: skip
     agent = P.train(args)
     torch.save(agent.state_dict(), os.path.join(out, f"train_rank{rank}.pt"))
     compiled = P.train(replace(args, compile=True, exp_name="compiled"))  # the compiled loss, all-reduced gradients

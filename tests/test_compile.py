@@ -296,10 +296,10 @@ def test_a_python_number_the_loss_reads_changed_every_iteration_trains_compiled_
 
     monkeypatch.setattr(module, "ppo_loss", loss_fn)
     monkeypatch.setattr(module.Run, "log", log)
-    agents = []
+    agents, flags = [], dict(SMALL, total_timesteps=16 * 8 * 5, num_minibatches=2)
     for compile in (False, True):
         schedule["ent_coef"] = 0.01
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=2):
-            agents.append(module.train(module.Args(seed=3, **dict(SMALL, total_timesteps=16 * 8 * 5), compile=compile)))
+            agents.append(module.train(module.Args(seed=3, **flags, compile=compile)))
     assert_same_agents(agents[1], agents[0], "compiled", atol=2e-4, rtol=1e-3)
