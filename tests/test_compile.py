@@ -214,6 +214,27 @@ def test_torch_still_cannot_compile_the_gradient_of_a_module_in_two_places():
         pytest.skip(f"torch {torch.__version__} compiles it")
 
 
+def test_torch_still_refuses_a_scan_that_steps_weights_in_place():
+    """Why --compile makes a graph of each epoch, not one looping over the minibatches (issue 66, docs/benchmarks.md):
+    torch 2.13's scan refuses a body that updates a tensor it closes over, as an optimizer's step updates the
+    weights. Skips once torch can."""
+    from torch._higher_order_ops import scan
+
+    weights = torch.zeros(4)
+
+    def step(total, gradient):
+        weights.sub_(0.1 * gradient)
+        return total + weights.sum(), weights.clone()
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda: scan(step, torch.zeros(()), torch.randn(3, 4)), fullgraph=True)()
+    except Exception as e:  # torch's own, whichever it raises
+        assert "input mutation" in str(e), str(e)[:500]
+    else:
+        pytest.skip(f"torch {torch.__version__} compiles it")
+
+
 def test_the_inductor_option_is_passed_only_where_torch_has_it(monkeypatch):
     """torch 2.11 (on the H200 machine) has no `realize_cpu_opcount_threshold`, and `torch.compile(options=...)` with
     it raised "Unexpected optimization option", failing every compiled CUDA test there. Faked here: a torch without
