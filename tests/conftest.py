@@ -383,8 +383,8 @@ def run_dir(tmp, exp_name: str) -> str:
 
 def small_args(module, **flags):
     """Six iterations of 32 envs on the CPU, three evaluation episodes (REINFORCE: rollouts until all episodes end);
-    PPO: two minibatches an epoch, so a compiled epoch unrolls two steps, not four (cold, 49 s to compile against 63 s;
-    the suite on a fresh inductor cache took 26.5 minutes with four)."""
+    PPO: two minibatches an epoch, so a compiled epoch unrolls two steps, not four (a cold compile takes ~3/4 as long:
+    docs/tests.md, "How long")."""
     steps = 500 if origin(module.__name__) == "reinforce" else 16
     total = 16 * 32 * 6 if origin(module.__name__) != "reinforce" else 12_000
     flags = dict(num_envs=32, num_steps=steps, total_timesteps=total, target_return=None, progress_bar=False,
