@@ -37,7 +37,7 @@ import torch.nn as nn
 from ladder.cli import run_command_line
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients, mean_over_ranks
-from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.flags import RunFlags
 from ladder.optim import Adam
 from ladder.run import Run
 
@@ -126,7 +126,9 @@ class Args(RunFlags):
         }
         no_bf16 = "off here: no bfloat16 hardware (AMX or AVX512-BF16 CPUs, GPUs from Ampere on)"
         rules["bf16"] = (not self.bf16 or has_fast_bf16(self.device), f"{no_bf16} to run it faster than float32")
-        check_flags(self, rules)
+        for name, (ok, rule) in rules.items():  # a ValueError here: one `error:` line (tyro's, shortened)
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
 
 
 # Environment ----------------------------------------------------------------------------------
@@ -440,7 +442,7 @@ def atari_game_rule(env_id: str) -> tuple[bool, str]:
     try:
         import envpool
     except ImportError:
-        raise UsageError("this script needs envpool: pip install envpool==1.2.5") from None
+        raise ModuleNotFoundError("this script needs envpool: pip install envpool==1.2.5") from None
     ids = envpool.list_all_envs()  # (a spec's type tells an Atari game; making every spec would import them all)
     if env_id in ids and type(envpool.make_spec(env_id)).__name__ == "AtariEnvSpec":
         return True, ""

@@ -36,7 +36,7 @@ from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients, mean_over_ranks
-from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.flags import RunFlags
 from ladder.optim import Adam
 from ladder.run import Run
 
@@ -124,7 +124,9 @@ class Args(RunFlags):
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "target_kl": (self.target_kl is None or self.target_kl > 0, "> 0"),
         }
-        check_flags(self, rules)
+        for name, (ok, rule) in rules.items():  # a ValueError here: one `error:` line (tyro's, shortened)
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
         import_brax()  # without brax: one line, before anything is built
 
 
@@ -398,7 +400,9 @@ def train(args: Args) -> Agent:
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
-        run.note(f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)")
+        if rank == 0:
+            compiling = f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)"
+            print(f"note: {compiling}", file=sys.stderr)
         for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
             torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
             envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + rank)
@@ -451,7 +455,8 @@ def import_brax():
             import jax
             from brax import envs
     except ImportError:
-        raise UsageError("this script needs brax and jax: pip install brax==0.14.2 jax==0.9.2 jaxlib==0.9.2") from None
+        brax = "brax==0.14.2 jax==0.9.2 jaxlib==0.9.2"
+        raise ModuleNotFoundError(f"this script needs brax and jax: pip install {brax}") from None
     for line in printed.getvalue().splitlines():
         if not line.startswith(("Failed to import warp:", "Failed to import mujoco_warp:")):
             print(line)

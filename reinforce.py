@@ -28,7 +28,7 @@ from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
-from ladder.flags import RunFlags, UsageError, check_flags
+from ladder.flags import RunFlags, UsageError
 from ladder.optim import Adam
 from ladder.run import Run
 
@@ -74,8 +74,14 @@ class Args(RunFlags):
             "gamma": (0 < self.gamma <= 1, "in (0, 1]"),
             "ent_coef": (self.ent_coef >= 0, ">= 0"),
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
+            "compile": (
+                not self.compile or self.num_seeds == 1 and not self.sweep,
+                "off with --num-seeds or --sweep here (the stacked update would compile again at each length)",
+            ),
         }
-        check_flags(self, rules)
+        for name, (ok, rule) in rules.items():  # a ValueError here: one `error:` line (tyro's, shortened)
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
 
 
 # Environment ----------------------------------------------------------------------------------
@@ -324,8 +330,6 @@ def train(args: Args, envs=None) -> Agent:
     """Train REINFORCE on `envs` (default: the `--env-id` env; any with the CartPole's interface, e.g. a probe)."""
     device, given_envs = torch.device(args.device), envs
     rank = int(os.environ.get("RANK", "0"))
-    if args.compile and (args.num_seeds > 1 or args.sweep):  # the stacked update would compile again at each length
-        raise UsageError("--compile does not go with --num-seeds or --sweep here: the update's length changes")
     with Run(args, evaluate, record_video) as run:
         for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
             torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import tyro
 
 from ladder.checkpoint import read_checkpoint
-from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file
+from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file, with_flags
 
 
 def check_run_flags(args) -> torch.device:
@@ -60,7 +60,9 @@ def parse_args(Args):
         default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
     try:
         with contextlib.redirect_stderr(box := io.StringIO()):
-            return tyro.cli(Args, default=default)
+            return with_flags(tyro.cli(Args, default=default))
+    except ImportError as e:  # a package the script's `Args` imports to check a flag (`pip install` in its words)
+        raise UsageError(str(e)) from None
     except SystemExit as e:
         if e.code != 2:  # --help
             raise
@@ -68,6 +70,7 @@ def parse_args(Args):
         rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
         message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
         hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
+        message = re.sub(rf"^Error parsing {Args.__name__}: ", "", message)  # a ValueError of `Args.__post_init__`
         if unknown := re.match(r"Unrecognized options?: (--[\w-]+)", message):  # not its value, as a second flag
             message = f"unrecognized option {unknown[1]}"
         hint = (unknown and flag_meant(unknown[1], Args)) or hint and hint.rstrip(",")  # tyro's lists: "--a, --no-a"

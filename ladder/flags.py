@@ -3,7 +3,7 @@
 import math
 import os
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Annotated, Optional
 
 import torch
@@ -71,11 +71,22 @@ RUN_FLAGS = [f.name for f in fields(RunFlags) if f.name != "sweep"]
 
 
 def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
-    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule or is not a finite number."""
+    """UsageError for the first flag of `{name: (ok, rule)}` that breaks its rule."""
     for name, (ok, rule) in rules.items():
-        value = getattr(args, name)
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+        if not ok:
+            raise UsageError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+
+
+def with_flags(args, **changes):
+    """`dataclasses.replace(args, **changes)`; a rule of `Args.__post_init__` broken (its ValueError) or a float flag
+    that is not finite (a rule's "> 0" passes inf): a UsageError."""
+    try:
+        args = replace(args, **changes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    floats = {f.name: getattr(args, f.name) for f in fields(args) if isinstance(getattr(args, f.name), float)}
+    check_flags(args, {name: (math.isfinite(value), "finite") for name, value in floats.items()})
+    return args
 
 
 def script_file(Args: type) -> str:

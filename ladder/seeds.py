@@ -5,12 +5,12 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
 from ladder.checkpoint import read_summary
-from ladder.flags import UsageError, script_file
+from ladder.flags import UsageError, script_file, with_flags
 from ladder.progress import Progress
 from ladder.seed import Seed, new_folder
 from ladder.stacked import Stacked
@@ -94,7 +94,7 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
     aggregate's folders. One run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
     if n == 1:
-        return None, [replace(args, sweep=(), **grid[0]) if args.sweep else args]
+        return None, [with_flags(args, sweep=(), **grid[0]) if args.sweep else args]
     if world_size > 1:
         what = "--sweep runs its configurations" if args.sweep else "--num-seeds stacks the seeds"
         raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")
@@ -117,7 +117,7 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
         name = f"{args.exp_name}-{config_name(config)}" if args.sweep else args.exp_name
         shown = dict(capture_video=args.capture_video and i == 0, progress_bar=args.progress_bar and i == 0)
         flags = dict(seed=first + i % k, num_seeds=1, sweep=(), exp_name=name, wandb_group=group, **config, **shown)
-        return replace(args, resume=resume, load_model=model or args.load_model, **flags)
+        return with_flags(args, resume=resume, load_model=model or args.load_model, **flags)
 
     return folder, [run(i) for i in range(n)]
 

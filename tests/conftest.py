@@ -205,7 +205,7 @@ def import_script(name: str):
     if hasattr(module, "import_brax"):
         try:
             module.import_brax()
-        except module.UsageError:
+        except ImportError:
             pytest.skip(install_hint("brax"), allow_module_level=True)
     return module
 

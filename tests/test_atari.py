@@ -117,7 +117,7 @@ def test_bf16_is_refused_without_bf16_hardware(fast, monkeypatch, capsys):
     if fast:
         assert A.Args(bf16=True, device="cpu").bf16
     else:
-        with pytest.raises(A.UsageError, match="--bf16 must be off here: no bfloat16 hardware"):
+        with pytest.raises(ValueError, match="--bf16 must be off here: no bfloat16 hardware"):
             A.Args(bf16=True, device="cpu")
 
 

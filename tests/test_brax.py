@@ -288,7 +288,7 @@ def test_bad_flags_give_one_clear_line(flags, message, tmp_path):
 
 @pytest.mark.parametrize("flags", [dict(env_id="cartpole"), dict(backend="physx"), dict(norm_obs=True)])
 def test_validate_checks_the_choices_of_args_built_in_code(flags):
-    with pytest.raises(B.UsageError, match=f"--{next(iter(flags)).replace('_', '-')} must be one of "):
+    with pytest.raises(ValueError, match=f"--{next(iter(flags)).replace('_', '-')} must be one of "):
         B.Args(**flags)
 
 

@@ -106,6 +106,7 @@ COMMON_BAD_FLAGS = [
     (["--no-progres-bar"], "unrecognized option --no-progres-bar; did you mean --no-progress-bar?"),
     (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
     (["--learning-rate", "nan"], "--learning-rate must be > 0"),
+    (["--learning-rate", "inf"], "--learning-rate must be finite, got inf"),  # a rule's "> 0" passes it: ladder's
     (["--device", "tpu7"], "--device"),
     (["--video-interval", "-1"], "--video-interval must be >= 0"),
 ]

@@ -241,7 +241,7 @@ def test_the_words_around_the_code_are_at_most_three_tenths_of_it(name):
     assert ratio <= 0.30, f"{name}.py: {words} lines of words around {code} of code ({ratio:.3f})"
 
 
-LADDER_NAMES = {"reinforce": 20, "vpg": 19, "ppo_cartpole_gpu": 20, "ppo_atari_envpool": 16, "ppo_mujoco_brax": 22}
+LADDER_NAMES = {"reinforce": 19, "vpg": 18, "ppo_cartpole_gpu": 19, "ppo_atari_envpool": 14, "ppo_mujoco_brax": 19}
 """The names from `ladder` a reader of each script looks up today; issue 65's goal is 12 (docs/tests.md says what
 would have to give). A ratchet: a change may lower a count, and then lowers it here, but not raise it."""
 
@@ -259,10 +259,11 @@ def test_a_reader_looks_up_no_more_ladder_names_than_listed(name):
 def test_ladder_and_the_five_scripts_keep_their_budgets():
     """Each script at most 600 lines and 36,000 characters, read end to end; ladder/ at most 1,600 lines (issue 56's
     budgets, for its redesign and what follows; before, the five scripts and ladder/ together at most 4,300, which
-    issue 55's fixes passed), and issue 67's --sweep beside them (174 lines: over the 1,600, said openly).
+    issue 55's fixes passed), issue 67's --sweep beside them (174 lines) and the 14 that make `Args`' plain
+    ValueErrors one line (issue 65: `check_flags` and `UsageError` out of the scripts): over the 1,600, said openly.
     docs/tests.md, "Line budgets", says what each holds and what would have to give for 1,600."""
     ladder_lines = sum(len(text(path).splitlines()) for path in LADDER)
-    assert ladder_lines <= 1600 + 174, f"ladder/ has {ladder_lines} lines"
+    assert ladder_lines <= 1600 + 174 + 14, f"ladder/ has {ladder_lines} lines"
     for name in ALL_SCRIPTS:
         lines, characters = len(text(script_path(name)).splitlines()), len(text(script_path(name)))
         assert lines <= 600 and characters <= 36_000, f"{name}.py: {lines} lines, {characters:,} characters"

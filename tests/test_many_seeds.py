@@ -26,6 +26,7 @@ from conftest import (
     stop_with_sigterm_at,
     train_seeds,
 )
+from ladder.flags import UsageError
 from ladder.optim import Adam
 from ladder.stacked import Stacked
 from test_compile import recompilations
@@ -212,14 +213,14 @@ def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp
     train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
     assert [run.settings["id"] for run in runs[2:]] == [run.id for run in runs[:2]]
     assert [run.settings["group"] for run in runs[2:]] == [os.path.basename(group)] * 2
-    with pytest.raises(P.UsageError, match="each seed has ended; raise --total-timesteps"):  # as one run's --resume
+    with pytest.raises(UsageError, match="each seed has ended; raise --total-timesteps"):  # as one run's --resume
         train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
 
 
 @pytest.mark.parametrize("script, flags, message", [
     ("ppo_cartpole_gpu", ["--target-kl", "0.01"], "--num-seeds: vmap: It looks like you're attempting to use a "
                                                   "Tensor in some data-dependent control flow"),  # a branch per seed
-    ("reinforce", ["--compile"], "--compile does not go with --num-seeds or --sweep here"),  # a graph per length
+    ("reinforce", ["--compile"], "--compile must be off with --num-seeds or --sweep here"),  # a graph per length
 ])  # fmt: skip
 def test_what_cannot_be_stacked_is_refused_in_one_line(script, flags, message, in_tmp):
     result = call_main(script, "--num-seeds", "2", "--num-envs", "32", "--total-timesteps", "2048",

@@ -35,6 +35,7 @@ from conftest import (
     stopped_and_resumed,
     train_seeds,
 )
+from ladder.flags import UsageError
 from ladder.optim import Adam
 from recipes import RECURRENT, recipe_copy, recipe_diff, recurrent_copy
 
@@ -724,7 +725,7 @@ def test_state_that_cannot_be_checkpointed_is_refused_at_start(in_tmp, monkeypat
     module = import_script("ppo_cartpole_gpu")
     real_start = module.Run.start
     monkeypatch.setattr(module.Run, "start", lambda self, *args, **kwargs: real_start(self, *args, **kwargs, beta=1.0))
-    with pytest.raises(module.UsageError, match=r"run.start\(beta=...\) must be a tensor or have a state_dict\(\)"):
+    with pytest.raises(UsageError, match=r"run.start\(beta=...\) must be a tensor or have a state_dict\(\)"):
         module.train(small_args(module))
     assert not os.path.exists("runs")
 

@@ -100,6 +100,7 @@ def test_explained_variance_is_nan_for_constant_returns(name):
 # Run: the bookkeeping on scripted rollouts
 # ---------------------------------------------------------------------------------------------
 import ppo_cartpole_gpu as P  # noqa: E402
+from ladder.flags import UsageError  # noqa: E402
 from ladder.run import Run  # noqa: E402
 
 
@@ -175,7 +176,7 @@ def test_resuming_a_run_that_reached_its_target_is_refused_unless_the_target_cha
     agent = P.Agent(4, 2)
     args = P.Args(progress_bar=False, eval_episodes=0, target_return=target, resume=folder)
     ended = "the run has ended; to train on, pass --target-return None, or a higher one"
-    expected = pytest.raises(P.UsageError, match=ended) if refused else contextlib.nullcontext()
+    expected = pytest.raises(UsageError, match=ended) if refused else contextlib.nullcontext()
     with expected, Run(args, P.evaluate, P.record_video) as run:
         run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10_000)
 

@@ -50,6 +50,7 @@ def aggregate_folder(tmp, exp_name: str) -> tuple[str, list[str]]:
     (["target-kl=0.01,0.02"], "--sweep target-kl: a Optional[float] flag is not one number"),
     (["gamma=0.9", "gamma=0.99"], "--sweep gamma: given twice"),
     (["learning-rate=1e-3,-1"], "--learning-rate must be > 0, got -1.0"),  # Args' own rule
+    (["learning-rate=1e-3,inf"], "--learning-rate must be finite, got inf"),
 ])  # fmt: skip
 def test_a_bad_sweep_is_refused_in_one_line_before_anything_is_written(flags, message, in_tmp):
     sweeps = [arg for flag in flags for arg in ("--sweep", flag)]
