@@ -19,7 +19,7 @@ import torch.distributed as dist
 import tyro
 
 from ladder.checkpoint import read_checkpoint
-from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file, with_flags
+from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file
 
 
 def check_run_flags(args) -> torch.device:
@@ -60,7 +60,7 @@ def parse_args(Args):
         default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
     try:
         with contextlib.redirect_stderr(box := io.StringIO()):
-            return with_flags(tyro.cli(Args, default=default))
+            return tyro.cli(Args, default=default)
     except ImportError as e:  # a package the script's `Args` imports to check a flag (`pip install` in its words)
         raise UsageError(str(e)) from None
     except SystemExit as e:

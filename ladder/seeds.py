@@ -93,8 +93,8 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
     --num-seeds K, K runs of each configuration of a --sweep `grid` in turn, with --resume or --load-model from the
     aggregate's folders. One run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
-    if n == 1:
-        return None, [with_flags(args, sweep=(), **grid[0]) if args.sweep else args]
+    if n == 1:  # (every run's flags go through with_flags: train()'s caller's too, not only the command line's)
+        return None, [with_flags(args, sweep=(), **grid[0])]
     if world_size > 1:
         what = "--sweep runs its configurations" if args.sweep else "--num-seeds stacks the seeds"
         raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")

@@ -246,6 +246,15 @@ def test_env_size_must_match_num_envs(script, in_tmp):
         module.train(module.Args(num_envs=64, num_steps=16, progress_bar=False), envs=Probe1(8, "cpu"))
 
 
+@pytest.mark.quick
+def test_a_float_flag_that_is_not_finite_is_refused_when_train_is_called_in_code(in_tmp):
+    """As from the command line: a rule's "> 0" passes inf, ladder's check of every run's flags does not."""
+    module = importlib.import_module("ppo_cartpole_gpu")
+    with pytest.raises(module.UsageError, match="--learning-rate must be finite, got inf"):
+        module.train(module.Args(learning_rate=float("inf"), progress_bar=False, device="cpu"))
+    assert not os.path.exists(in_tmp / "runs")
+
+
 # Setup failures: one line, a non-zero exit, nothing lost ---------------------------------------
 SHORT = ["--num-envs", "8", "--num-steps", "16", "--total-timesteps", "256", "--eval-episodes", "0",
          "--no-progress-bar"]  # fmt: skip
