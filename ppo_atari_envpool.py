@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ladder.cli import run_command_line
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -360,7 +360,7 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = average_gradients(agent, stats)  # data parallel under torchrun; the stats: the ranks' means
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
     optimizer.step()
     return stats
@@ -383,8 +383,8 @@ def update(epoch, batch: Batch, args: Args) -> dict[str, torch.Tensor]:
     history = []
     for _ in range(args.update_epochs):
         history += epoch(batch, args)
-        # a host read per epoch; under torchrun the ranks judge their mean KL, so they stop together
-        if args.target_kl is not None and mean_over_ranks(history[-1]["losses/approx_kl"]) > args.target_kl:
+        # a host read per epoch; under torchrun the KL is the ranks' mean (gradient_step), so they stop together
+        if args.target_kl is not None and history[-1]["losses/approx_kl"] > args.target_kl:
             break
     means = {tag: torch.stack([stats[tag] for stats in history]).mean() for tag in history[0]}
     return means | {"losses/explained_variance": explained_variance(batch.values, batch.returns, batch.mask)}

@@ -32,7 +32,7 @@ from ladder.cli import run_command_line
 from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
-from ladder.flags import RunFlags, UsageError
+from ladder.flags import RunFlags
 from ladder.optim import Adam
 from ladder.run import Run
 
@@ -89,6 +89,10 @@ class Args(RunFlags):
             "ent_coef": (self.ent_coef >= 0, ">= 0"),
             "vf_coef": (self.vf_coef >= 0, ">= 0"),
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
+            "capture_video": (
+                not self.capture_video or issubclass(ENVS[self.env_id], CartPole),
+                f"off for {self.env_id}: it draws CartPole states",
+            ),
         }
         for name, (ok, rule) in rules.items():  # a ValueError here: one `error:` line (tyro's, shortened)
             if not ok:
@@ -339,7 +343,7 @@ def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=N
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = average_gradients(agent, stats)  # data parallel under torchrun; the stats: the ranks' means
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
     optimizer.step()
     return stats
@@ -426,17 +430,19 @@ class SpinCart(CartPole):
         return self.state[:, 0].abs() > self.x_threshold
 
 
+ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}  # --env-id's
+
+
 def make_envs(args: Args, device: torch.device, envs=None, seed: int = 0):
     """The `--env-id` envs seeded `seed`, or the given `envs` (e.g. a probe) checked against the flags."""
     if envs is not None and args.num_seeds > 1:
-        raise UsageError("--num-seeds builds each seed's envs: give train() none")
+        raise ValueError("--num-seeds builds each seed's envs: give train() none")
     if envs is None:
-        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]
-        envs = env_class(args.num_envs, device, seed)
+        envs = ENVS[args.env_id](args.num_envs, device, seed)
     if envs.num_envs != args.num_envs:
-        raise UsageError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
+        raise ValueError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
     if args.capture_video and not isinstance(envs, CartPole):  # `draw` pictures a cart and a pole
-        raise UsageError(f"--capture-video draws CartPole states; {type(envs).__name__} is not a CartPole")
+        raise ValueError(f"--capture-video draws CartPole states; {type(envs).__name__} is not a CartPole")
     return envs
 
 

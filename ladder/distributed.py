@@ -6,19 +6,19 @@ import torch.distributed.nn  # noqa: F401  imported before a process group exist
 import torch.nn as nn
 
 
-def average_gradients(module: nn.Module) -> None:
-    """`module`'s gradients averaged over the torchrun ranks, between `backward()` and `step()` (data parallel)."""
+def average_gradients(module: nn.Module, stats: dict | None = None) -> dict | None:
+    """`module`'s gradients (between `backward()` and `step()`) and `stats` (returned) averaged over the ranks."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    for grad, mean in zip(grads, mean_over_ranks(grads)):
+    means = mean_over_ranks(grads + list((stats or {}).values()))
+    for grad, mean in zip(grads, means):
         grad.copy_(mean)  # in one process the same tensor: a no-op
+    return None if stats is None else dict(zip(stats, means[len(grads) :]))
 
 
-def mean_over_ranks(tensors):
-    """A tensor's (or a list's, in one all-reduce) mean over the torchrun ranks; in one process, itself."""
+def mean_over_ranks(tensors: list) -> list:
+    """The tensors' means over the torchrun ranks, in one all-reduce; in one process, the tensors themselves."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tensors
-    if torch.is_tensor(tensors):
-        return mean_over_ranks([tensors])[0]
     flat = torch.cat([t.detach().flatten() for t in tensors])
     dist.all_reduce(flat)
     means = (flat / dist.get_world_size()).split([t.numel() for t in tensors])

@@ -2,8 +2,8 @@
 (Gloo, CPU): each rank saves what the test compares to OUT/*.pt.
 
 1. One `gradient_step` of ppo_cartpole_gpu.py on this rank's half of a fixed 64-row batch, with and
-   without per-minibatch advantage normalisation; and docs/modifying.md's CleanRL update (`loss.backward()`,
-   `average_gradients`) with ladder's Adam.
+   without per-minibatch advantage normalisation (the weights, and the stats it returns); and docs/modifying.md's
+   CleanRL update (`loss.backward()`, `average_gradients`) with ladder's Adam.
 2. A few iterations of `train()` (16 envs per rank) of ppo_cartpole_gpu.py (eager and with --compile), vpg.py and
    reinforce.py: the weights every rank ends with.
 3. ppo_mujoco_brax.py's observation statistics updated with this rank's half of a fixed batch.
@@ -169,8 +169,9 @@ def main(out: str) -> None:
         agent = P.Agent(4, 2)
         optimizer = Adam(agent, lr=1e-2, eps=1e-5)
         half = P.Batch(*(x[32 * rank : 32 * (rank + 1)] for x in fixed_batch()))
-        P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=norm_adv, max_grad_norm=0.05), half)
+        stats = P.gradient_step(agent, optimizer, P.ppo_loss, P.Args(norm_adv=norm_adv, max_grad_norm=0.05), half)
         torch.save(agent.state_dict(), os.path.join(out, f"step_norm{int(norm_adv)}_rank{rank}.pt"))
+        torch.save(stats, os.path.join(out, f"stats_norm{int(norm_adv)}_rank{rank}.pt"))
     torch.manual_seed(0)
     agent = P.Agent(4, 2)
     optimizer = Adam(agent, lr=1e-2, eps=1e-5)

@@ -108,9 +108,8 @@ class Memory(nn.Module):
         "(agent, envs, obs, rollout, noise, memory)\n",
     ),
     (
-        """        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}[args.env_id]""",
-        """        env_class = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart,
-                     "PositionsCart-v1": PositionsCart}[args.env_id]""",
+        """ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart}  # --env-id's""",
+        """ENVS = {"CartPole-v1": CartPole, "EasyCart-v1": EasyCart, "SpinCart-v1": SpinCart, "PositionsCart-v1": PositionsCart}""",
     ),
     (
         """    returns, frames = torch.full((envs.num_envs,), float("nan"), device=envs.device), []
@@ -283,13 +282,13 @@ CLEANRL_UPDATE = [
     (
         """    optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
-    average_gradients(agent)  # data parallel under torchrun
+    stats = average_gradients(agent, stats)  # data parallel under torchrun; the stats: the ranks' means
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm, foreach=False)  # vmap has no fused norms
 """,
         """    loss, stats = loss_fn(agent, args, minibatch)
     optimizer.zero_grad()
     loss.backward()
-    average_gradients(agent)  # data parallel under torchrun
+    stats = average_gradients(agent, stats)  # data parallel under torchrun; the stats: the ranks' means
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
 """,
     ),

@@ -29,6 +29,7 @@ from conftest import (
     scalar_tags,
 )
 from ladder.cli import parse_args
+from ladder.flags import UsageError
 from probes import Probe1
 
 COMMON_TAGS = {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -242,7 +243,7 @@ def test_target_kl_stops_the_epochs_early(target_kl, expected_calls, in_tmp, mon
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_env_size_must_match_num_envs(script, in_tmp):
     module = importlib.import_module(script)
-    with pytest.raises(module.UsageError, match="the env has 8 envs but --num-envs is 64"):
+    with pytest.raises(ValueError, match="the env has 8 envs but --num-envs is 64"):
         module.train(module.Args(num_envs=64, num_steps=16, progress_bar=False), envs=Probe1(8, "cpu"))
 
 
@@ -250,7 +251,7 @@ def test_env_size_must_match_num_envs(script, in_tmp):
 def test_a_float_flag_that_is_not_finite_is_refused_when_train_is_called_in_code(in_tmp):
     """As from the command line: a rule's "> 0" passes inf, ladder's check of every run's flags does not."""
     module = importlib.import_module("ppo_cartpole_gpu")
-    with pytest.raises(module.UsageError, match="--learning-rate must be finite, got inf"):
+    with pytest.raises(UsageError, match="--learning-rate must be finite, got inf"):
         module.train(module.Args(learning_rate=float("inf"), progress_bar=False, device="cpu"))
     assert not os.path.exists(in_tmp / "runs")
 

@@ -62,6 +62,19 @@ def test_two_ranks_take_the_single_process_step(worker_outputs, norm_adv):
             assert_close(value, expected[key], key, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("norm_adv", [False, True])
+def test_the_stats_a_gradient_step_returns_are_the_ranks_means(worker_outputs, norm_adv):
+    """So every rank reads the same approximate KL, and `--target-kl` stops their epochs together."""
+    torch.manual_seed(0)
+    agent, args, batch = P.Agent(4, 2), P.Args(norm_adv=norm_adv), fixed_batch()
+    halves = [P.ppo_loss(agent, args, P.Batch(*(x[32 * r : 32 * (r + 1)] for x in batch)))[1] for r in (0, 1)]
+    for rank in (0, 1):
+        got = torch.load(worker_outputs / f"stats_norm{int(norm_adv)}_rank{rank}.pt")
+        assert set(got) == set(halves[0])
+        for tag in got:
+            assert_close(got[tag], (halves[0][tag] + halves[1][tag]) / 2, tag, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["ppo_cartpole_gpu", "vpg", "reinforce"])
 def test_ranks_stay_bit_identical_and_rank_0_writes_alone(worker_outputs, name):
     label = "" if name == "ppo_cartpole_gpu" else f"{name}_"

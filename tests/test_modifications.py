@@ -954,9 +954,9 @@ def test_capture_video_refuses_an_env_it_cannot_draw_however_it_came(name, in_tm
     at start in one line. Before, only an env given to train() was checked: this one trained an iteration, then
     failed in a 17-line AttributeError ('... object has no attribute tau')."""
     module = import_script(name)
-    monkeypatch.setattr(module, "SpinCart", Pendulum)
+    monkeypatch.setitem(module.ENVS, "SpinCart-v1", Pendulum)
     result = call_main(name, "--env-id", "SpinCart-v1", "--capture-video", *short_flags(name), cwd=in_tmp)
-    assert_one_error_line(result, "--capture-video draws CartPole states; Pendulum is not a CartPole")
+    assert_one_error_line(result, "--capture-video must be off for SpinCart-v1: it draws CartPole states, got True")
     assert not os.path.exists(os.path.join(in_tmp, "runs"))
 
 
