@@ -28,7 +28,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
@@ -405,7 +404,7 @@ def train(args: Args, envs=None) -> Agent:
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
         # --compile: a graph per epoch; the whole iteration as one compiles 2.3x as long, no faster (docs/benchmarks.md)
         phases = (collect_rollout, make_batch, one_epoch)
-        collect, prepare, epoch = map(compiled, phases) if args.compile else phases
+        collect, prepare, epoch = [torch.compile(f, fullgraph=True) for f in phases] if args.compile else phases
 
         # the iteration's device work; `agent`, `envs` and `optimizer` hold the state it changes
         def one_iteration(obs, noise, rollout):

@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients, mean_over_ranks
 from ladder.flags import RunFlags
@@ -416,7 +415,7 @@ def train(args: Args) -> Agent:
             raw_obs = run.start(agent, envs, optimizer, total_steps, envs.reset()[0], reward_scaler=scale_reward)
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)
         phases = (make_batch, gradient_step)
-        prepare, step = map(compiled, phases) if args.compile else phases
+        prepare, step = [torch.compile(f, fullgraph=True) for f in phases] if args.compile else phases
 
         def learn(rollout):  # the batch and the update (the envs step in JAX: not in it); `agent` holds its state
             epoch = functools.partial(one_epoch, functools.partial(step, agent, optimizer, ppo_loss, args))

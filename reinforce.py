@@ -25,7 +25,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags, UsageError
@@ -349,7 +348,7 @@ def train(args: Args, envs=None) -> Agent:
             run.start(agent, envs, optimizer, total_steps)
         storage = run.each(Rollout.empty, args.num_steps, args.num_envs, envs.obs_dim, device)
         phases = (collect_rollout, gradient_step)
-        collect, step = map(compiled, phases) if args.compile else phases
+        collect, step = [torch.compile(f, fullgraph=True) for f in phases] if args.compile else phases
 
         def learn(rollout: Rollout):
             first = first_episodes(rollout.dones)

@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.compile import compiled
 from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
@@ -389,7 +388,8 @@ def train(args: Args, envs=None) -> Agent:
         if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
             one_iteration = run.stacked(one_iteration)
         else:  # --compile: one graph; on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            one_iteration = CudaGraph(compiled(one_iteration) if args.compile else one_iteration, run)
+            one_iteration = torch.compile(one_iteration, fullgraph=True) if args.compile else one_iteration
+            one_iteration = CudaGraph(one_iteration, run)
         for iteration in run.iterations():
             for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
                 group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])

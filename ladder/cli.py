@@ -120,6 +120,8 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
-        if dist.is_initialized():  # compiled graphs hold the group in reference cycles: collected, its threads end
-            gc.collect()
+        if dist.is_initialized():  # a compiled graph holds the group; dynamo keeps the graphs in the script's globals
+            for name in [name for name in vars(sys.modules[train.__module__]) if name.startswith("__compiled_fn")]:
+                delattr(sys.modules[train.__module__], name)
+            gc.collect()  # (graphs are reference cycles) so the group's threads end with it
             dist.destroy_process_group()

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from tqdm import tqdm
 
+from ladder.compile import compile_error, compile_settings
 from ladder.cuda_graph import CudaGraph
 from ladder.flags import UsageError
 from ladder.seeds import Seeds
@@ -50,6 +51,7 @@ class Run(contextlib.AbstractContextManager):
         self.first_iteration = self.progress.iteration + 1
         if self.args.compile and total_steps > self.progress.global_step:  # said once its handlers are in place
             self.note("--compile: the first iteration compiles its phases (seconds to minutes; Ctrl-C stops it)")
+            compile_settings()
         self.setup["built"], self.clock = time.perf_counter() - self.clock, time.perf_counter()
         return obs
 
@@ -156,12 +158,16 @@ class Run(contextlib.AbstractContextManager):
                 raise KeyboardInterrupt(self.stopping)
 
     def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
-        """Each seed's end, then their aggregate; a signal now ends only the final evaluation."""
+        """Each seed's end, then their aggregate (a signal ends only the last evaluation); a compile error: one line."""
+        if why := exc is not None and self.args.compile and compile_error(exc):
+            exc_type, exc = UsageError, UsageError(why)
         try:
             stopped = bool(self.signals.received)
             self.all.finish(exc_type, exc, stopped, self.setup, self.evaluate, self.note)
         finally:
             self.signals.restore()
+        if why:
+            raise exc from None
 
 
 class PerRank:

@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ladder.compile import compiled
 from ladder.flags import UsageError, your_line
 from ladder.optim import Adam, Calling
 
@@ -126,7 +125,7 @@ class Stacked:
                     put_flags(self.flags, self.swept, flags)
 
             vmapped = torch.func.vmap(on_one_seed, randomness="different")
-            self.calls[layout] = compiled(vmapped) if compile else vmapped
+            self.calls[layout] = torch.compile(vmapped, fullgraph=True) if compile else vmapped
         tensors = [x for x in leaves if torch.is_tensor(x)]
         out, state = refusing(self.calls[layout], self.swept, self.values, tensors, self.hyper)
         with torch.no_grad():
@@ -196,8 +195,9 @@ def refusing(call, swept: list[str], *args):
     """`call(*args)`; what vmap cannot do (a host read, a branch on a value) ends the run in one line naming yours."""
     try:
         return call(*args)
-    except RuntimeError as e:
-        if not any(word in str(e) for word in ("vmap", "functorch", "batched")):
+    except RuntimeError as e:  # (dynamo's errors are RuntimeErrors too: Run words those, as --compile's)
+        vmapped = any(word in str(e) for word in ("vmap", "functorch", "batched"))
+        if not vmapped or isinstance(e, torch._dynamo.exc.TorchDynamoException):
             raise
         where, cause = your_line(traceback.extract_tb(e.__traceback__)), str(e).splitlines()[0][:160]
         if "backward() called inside a functorch transform" in cause:  # CleanRL's update

@@ -24,6 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ladder.compile import compile_settings  # noqa: E402
 
 SCRIPTS = ["ppo_cartpole_gpu", "vpg", "reinforce"]
 """The scripts that share the tensor CartPole (with --script COPY: the copy alone)."""
@@ -287,6 +288,12 @@ STATE_HINTS = {
     ("resumed", "parameter"): "the update: state the loss or the optimizer reads that the checkpoint does not keep",
 }
 """What a first difference between two runs' agents most likely points to, by mode and by the kind of state."""
+
+
+def compiled_as_in_a_run(fn):
+    """`fn` as a script's phase is under --compile: ladder's settings (which a run makes), then torch.compile."""
+    compile_settings()
+    return torch.compile(fn, fullgraph=True)
 
 
 def assert_same_agents(actual, expected, what: str, exact: bool = False, **tolerances) -> None:

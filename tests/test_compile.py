@@ -15,8 +15,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import guard_failures
 
-from conftest import SCRIPTS, assert_close, assert_same_agents, import_script, origin, read_json
-from ladder.compile import compiled
+from conftest import SCRIPTS, assert_close, assert_same_agents, compiled_as_in_a_run, import_script, origin, read_json
 from ladder.optim import Adam
 from test_optim import fixed_batch, torch_step
 
@@ -143,7 +142,7 @@ def test_a_loss_may_call_any_agent_method_compiled_too():
     twin = copy.deepcopy(agent)
     opt, twin_opt = Adam(agent, lr=1e-2, eps=1e-5), torch.optim.Adam(twin.parameters(), lr=1e-2, eps=1e-5)
     torch._dynamo.reset()
-    compiled(mod.gradient_step)(agent, opt, loss_fn, args, batch)
+    compiled_as_in_a_run(mod.gradient_step)(agent, opt, loss_fn, args, batch)
     torch_step(twin, twin_opt, loss_fn, args, batch)
     assert_same_agents(agent, twin, "compiled", atol=1e-6, rtol=1e-5)
 
@@ -173,25 +172,26 @@ def count_twice(compile_with) -> float:
 
 
 def test_torch_still_drops_a_float64_scalars_update():
-    """The torch bug `ladder.compile.compiled` works around (torch 2.13, CPU): torch.compile drops the in-place update
-    of a 0-dim float64 tensor that the function does not return. Skips once torch computes it: the workaround can go.
+    """The torch bug `ladder.compile.compile_settings` works around (torch 2.13, CPU): torch.compile drops the in-place
+    update of a 0-dim float64 tensor that the function does not return. Skips once torch computes it: the workaround
+    can go.
     In a process of its own: dynamo's record of a function's first compilation outlives torch._dynamo.reset() (compiled
-    through `ladder.compile.compiled` first, the same function keeps its update under torch.compile too)."""
+    with ladder's settings first, the same function keeps its update under torch.compile too)."""
     code = "import torch, test_compile; print(test_compile.count_twice(lambda f: torch.compile(f, fullgraph=True)))"
     env = {k: v for k, v in os.environ.items() if k != "TENSORIFY_PYTHON_SCALARS"}  # (ladder.compile sets it here)
     result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), capture_output=True, text=True,
                             timeout=300, env=env)  # fmt: skip
     count = float(result.stdout.split()[-1]) if result.returncode == 0 else result.stderr[-2000:]
     if count == 6.0:
-        pytest.skip(f"torch {torch.__version__} keeps the update: the workaround in ladder.compile.compiled can go")
+        pytest.skip(f"torch {torch.__version__} keeps the update: ladder.compile's TENSORIFY_PYTHON_SCALARS can go")
     assert count == 0.0
 
 
 def test_a_float64_scalars_update_is_kept_compiled():
-    """Through `ladder.compile.compiled` (what --compile makes of each phase) the update is kept, as eagerly: a copy's
+    """With ladder's settings (what a --compile run compiles its phases with) the update is kept, as eagerly: a copy's
     running statistics (their count) go on counting compiled. Before, the count stayed where it started."""
     assert count_twice(lambda fn: fn) == 6.0
-    assert count_twice(compiled) == 6.0
+    assert count_twice(compiled_as_in_a_run) == 6.0
 
 
 def test_torch_still_cannot_compile_the_gradient_of_a_module_in_two_places():
@@ -235,20 +235,25 @@ def test_torch_still_refuses_a_scan_that_steps_weights_in_place():
         pytest.skip(f"torch {torch.__version__} compiles it")
 
 
-def test_the_inductor_option_is_passed_only_where_torch_has_it(monkeypatch):
+def test_the_inductor_option_is_set_only_where_torch_has_it(monkeypatch):
     """torch 2.11 (on the H200 machine) has no `realize_cpu_opcount_threshold`, and `torch.compile(options=...)` with
     it raised "Unexpected optimization option", failing every compiled CUDA test there. Faked here: a torch without
-    the option compiles with none; the pinned one gets it (it bounds CPU codegen only, so CUDA graphs ignore it)."""
+    the option gets none; the pinned one gets it (it bounds CPU codegen only, so CUDA graphs ignore it)."""
     import types
 
     import torch._inductor
 
-    given = []
-    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, options: given.append(options) or fn)
-    assert compiled(lambda x: x + 1)(torch.ones(1)).item() == 2.0
-    monkeypatch.setattr(torch._inductor, "config", types.SimpleNamespace(fallback_random=False))  # as torch 2.11's
-    assert compiled(lambda x: x + 1)(torch.ones(1)).item() == 2.0
-    assert given == [{"realize_cpu_opcount_threshold": 30}, {}]
+    from ladder.compile import compile_settings
+
+    older = types.SimpleNamespace(fallback_random=False)  # as torch 2.11's
+    with monkeypatch.context() as patched:
+        patched.setattr(torch._inductor, "config", older)
+        patched.setattr(torch.compiler, "reset", lambda: None)  # (which reads the real config)
+        compile_settings()
+    assert vars(older) == {"fallback_random": True}
+    with torch._inductor.config.patch(realize_cpu_opcount_threshold=50):
+        compile_settings()
+        assert torch._inductor.config.realize_cpu_opcount_threshold == 30
 
 
 def dropout_after_layernorm(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +281,7 @@ def test_torch_still_reads_a_dropout_mask_before_drawing_it():
 
 
 def test_the_compiled_gradient_draws_the_dropout_masks_eager_draws():
-    """The same loss through Adam.backward, compiled by `ladder.compile.compiled`: the same mask, loss and gradient
+    """The same loss through Adam.backward, compiled with ladder's settings: the same mask, loss and gradient
     as eager (torch.autograd.grad traced, dropout's masks drawn by eager's kernel)."""
     p, x = dropout_after_layernorm_inputs()
     module = torch.nn.Module()
@@ -291,7 +296,7 @@ def test_the_compiled_gradient_draws_the_dropout_masks_eager_draws():
         adam.backward(loss_fn, module, x)
         return torch.cat([p.grad.flatten() for p in module.parameters()])
 
-    step = compiled(gradient)
+    step = compiled_as_in_a_run(gradient)
     torch.manual_seed(1)
     eager = gradient(x)
     torch.manual_seed(1)

@@ -175,8 +175,8 @@ def test_train_shows_which_functions_an_iteration_runs(name):
     train = inspect.getsource(import_script(name).train)
     assert "for args in run.args_per_run:" in train
     assert re.search(r"phases = \([a-z_, ]*gradient_step\)|partial\(gradient_step, agent", train), "the script's step"
-    whole = "compiled(one_iteration) if args.compile else one_iteration"
-    assert "= map(compiled, phases) if args.compile else phases" in train or whole in train
+    whole = "= torch.compile(one_iteration, fullgraph=True) if args.compile else one_iteration"
+    assert "= [torch.compile(f, fullgraph=True) for f in phases] if args.compile else phases" in train or whole in train
     assert "if len(run.args_per_run) > 1:" in train and "run.stacked(" in train
     assert re.search(r"else:  # .*on a GPU: .*recorded once as a CUDA graph", train) and "= CudaGraph(" in train
     for path in LADDER:
@@ -201,6 +201,9 @@ PRIVATE_TORCH = {
     "torch._dynamo.utils": "guard_failures: the guard a recompilation failed on, named in that line",
     "torch._inductor.config": "which inductor options this torch has (torch.compile's options= has no public list)",
     "torch.utils._pytree": "tree_flatten, tree_unflatten and tree_map (torch 2.13 has no public pytree)",
+    "__compiled_fn": "the names of the graphs dynamo keeps in a compiled function's globals (the script's), dropped "
+    "under torchrun before the process group is destroyed: a graph that all-reduces holds it (its threads outlived "
+    "main); torch.compiler.reset() leaves them",
     "_patch_step_function": "Adam keeps torch's profiler wrapper off its step: compiled, it logs a warning per graph, "
     "and the hooks it runs cannot fire in a CUDA graph's replay (refused in one line instead)",
     "_opt_called": "Adam tells an lr scheduler its step ran: torch sets it only in the wrapper of optimizer.step, "
@@ -221,7 +224,7 @@ def private_torch_names(path: str) -> set[str]:
     names = {".".join(name.split(".")[: next(i for i, part in enumerate(name.split(".")) if part.startswith("_")) + 2])
              for name in names}  # fmt: skip
     names |= {name for name in PRIVATE_ATTRIBUTES if name.replace(" ", "") in code.replace(" ", "")}
-    return names
+    return names | ({"__compiled_fn"} if "__compiled_fn" in text(path) else set())  # (a string: dynamo's names)
 
 
 @pytest.mark.quick
@@ -241,7 +244,7 @@ def test_the_words_around_the_code_are_at_most_three_tenths_of_it(name):
     assert ratio <= 0.30, f"{name}.py: {words} lines of words around {code} of code ({ratio:.3f})"
 
 
-LADDER_NAMES = {"reinforce": 19, "vpg": 17, "ppo_cartpole_gpu": 17, "ppo_atari_envpool": 13, "ppo_mujoco_brax": 19}
+LADDER_NAMES = {"reinforce": 18, "vpg": 16, "ppo_cartpole_gpu": 16, "ppo_atari_envpool": 13, "ppo_mujoco_brax": 18}
 """The names from `ladder` a reader of each script looks up today; issue 65's goal is 12 (docs/tests.md says what
 would have to give). A ratchet: a change may lower a count, and then lowers it here, but not raise it."""
 

@@ -570,7 +570,7 @@ def test_the_continuous_pendulum_moves_as_gymnasiums():
 def test_continuous_actions_train_alike_compiled_and_resumed(name, in_tmp, monkeypatch):
     """A Gaussian policy on the continuous Pendulum (the recipe): --compile within float tolerance of eager, stopped
     and resumed as one run. Before, its compiled rollout took minutes (inductor's CPU bound of 50 ops inlined the
-    pendulum's recurrence step after step: 435 s at 12 steps); `ladder.compile.compiled` sets it to the GPU's 30."""
+    pendulum's recurrence step after step: 435 s at 12 steps); ladder.compile sets it to the GPU's 30."""
     module = import_script(name)
     gaussian_actions(module, monkeypatch)
     eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp, envs=ContinuousPendulum)

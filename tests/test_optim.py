@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from conftest import ROOT, assert_same_agents, import_script
-from ladder.compile import compiled
+from conftest import ROOT, assert_same_agents, compiled_as_in_a_run, import_script
 from ladder.flags import UsageError
 from ladder.optim import Adam
 
@@ -48,7 +47,7 @@ def test_the_gradient_step_is_torch_adam_with_clipping(name, weight_decay, compi
     twin_opt = torch.optim.AdamW(groups(twin), lr=1e-2, eps=1e-5, weight_decay=weight_decay)
     loss_fn, batch = mod.ppo_loss if name == "ppo_cartpole_gpu" else mod.vpg_loss, fixed_batch(mod)
     torch._dynamo.reset()
-    step = compiled(mod.gradient_step) if compile else mod.gradient_step
+    step = compiled_as_in_a_run(mod.gradient_step) if compile else mod.gradient_step
     for _ in range(3):
         idx = torch.randperm(len(batch.obs))[:32]
         stats, twin_stats = (
