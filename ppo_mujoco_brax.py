@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ladder.cli import run_command_line
 from ladder.cuda_graph import CudaGraph
-from ladder.distributed import average_gradients, mean_over_ranks
+from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
 from ladder.optim import Adam
 from ladder.run import Run
@@ -470,7 +470,7 @@ def normalises_obs(args: Args) -> bool:
 
 class RunningMeanStd(nn.Module):
     """Running mean and variance over batches (Chan et al.'s parallel update), in buffers: saved with the model. None
-    is 0-dim: torch 2.13's compiler drops an in-place update of a 0-dim float64 tensor (ladder/compile.py)."""
+    is 0-dim: torch 2.13's compiler drops an in-place update of a 0-dim float64 tensor (docs/modifying.md)."""
 
     def __init__(self, shape=(1,), epsilon: float = 1e-4):
         super().__init__()
@@ -483,7 +483,9 @@ class RunningMeanStd(nn.Module):
         x = x.reshape(-1, *self.mean.shape).double()
         batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
         if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun: all ranks' batches (of one size each)
-            batch_mean, mean_square = mean_over_ranks([batch_mean, x.square().mean(0)])
+            moments = torch.stack([batch_mean, x.square().mean(0)])
+            dist.all_reduce(moments)  # summed over the ranks
+            batch_mean, mean_square = moments / dist.get_world_size()
             batch_var, n = mean_square - batch_mean.square(), n * dist.get_world_size()
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total

@@ -8,21 +8,16 @@ import torch.nn as nn
 
 def average_gradients(module: nn.Module, stats: dict | None = None) -> dict | None:
     """`module`'s gradients (between `backward()` and `step()`) and `stats` (returned) averaged over the ranks."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    means = mean_over_ranks(grads + list((stats or {}).values()))
-    for grad, mean in zip(grads, means):
-        grad.copy_(mean)  # in one process the same tensor: a no-op
-    return None if stats is None else dict(zip(stats, means[len(grads) :]))
-
-
-def mean_over_ranks(tensors: list) -> list:
-    """The tensors' means over the torchrun ranks, in one all-reduce; in one process, the tensors themselves."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return tensors
+        return stats
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    tensors = grads + list((stats or {}).values())
     flat = torch.cat([t.detach().flatten() for t in tensors])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat)  # one all-reduce for all
     means = (flat / dist.get_world_size()).split([t.numel() for t in tensors])
-    return [mean.view_as(t) for t, mean in zip(tensors, means)]
+    for grad, mean in zip(grads, means):
+        grad.copy_(mean.view_as(grad))
+    return None if stats is None else {tag: mean.view_as(stats[tag]) for tag, mean in zip(stats, means[len(grads) :])}
 
 
 def alike(stateful: dict, per_rank: set) -> dict:
