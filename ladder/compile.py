@@ -22,7 +22,7 @@ def compile_settings() -> None:
     torch.compiler.reset()  # a script's phases compile anew, not against the limit of recompilations of a run before
 
 
-def compile_error(e: BaseException) -> str | None:
+def compile_error(e: BaseException | None) -> str | None:
     """One line for what stopped a compiled graph (dynamo's error, which names the line of the script), else None."""
     if not isinstance(e, (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)):
         return None

@@ -159,7 +159,7 @@ class Run(contextlib.AbstractContextManager):
 
     def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
         """Each seed's end, then their aggregate (a signal ends only the last evaluation); a compile error: one line."""
-        if why := exc is not None and self.args.compile and compile_error(exc):
+        if why := self.args.compile and compile_error(exc):
             exc_type, exc = UsageError, UsageError(why)
         try:
             stopped = bool(self.signals.received)
