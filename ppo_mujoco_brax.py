@@ -413,7 +413,7 @@ def train(args: Args) -> Agent:
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             total_steps = num_iterations * T * N * world_size
             raw_obs = run.start(agent, envs, optimizer, total_steps, envs.reset()[0], reward_scaler=scale_reward)
-        rollout = run.each(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)
+        rollout = run.one_by_one(Rollout.empty, T, N, envs.obs_dim, envs.action_dim, device)
         phases = (make_batch, gradient_step)
         prepare, step = [torch.compile(f, fullgraph=True) for f in phases] if args.compile else phases
 

@@ -244,7 +244,7 @@ def test_the_words_around_the_code_are_at_most_three_tenths_of_it(name):
     assert ratio <= 0.30, f"{name}.py: {words} lines of words around {code} of code ({ratio:.3f})"
 
 
-LADDER_NAMES = {"reinforce": 18, "vpg": 16, "ppo_cartpole_gpu": 16, "ppo_atari_envpool": 13, "ppo_mujoco_brax": 17}
+LADDER_NAMES = {"reinforce": 18, "vpg": 16, "ppo_cartpole_gpu": 16, "ppo_atari_envpool": 13, "ppo_mujoco_brax": 16}
 """The names from `ladder` a reader of each script looks up today; issue 65's goal is 12 (docs/tests.md says what
 would have to give). A ratchet: a change may lower a count, and then lowers it here, but not raise it."""
 
