@@ -7,10 +7,10 @@ step is stored but masked out of the loss. The observation returned with done is
 the step limit is bootstrapped from its value.
 
 The update (Schulman et al. 2017; "detail N": Huang et al. 2022, "The 37 Implementation Details of PPO"):
-    r_t(θ)  = π_θ(a_t|s_t) / π_θold(a_t|s_t)
+    ρ_t(θ)  = π_θ(a_t|s_t) / π_θold(a_t|s_t)
     δ_t     = r_t + γ (1 - term_t) V(s_{t+1}) - V(s_t)
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}
-    L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ]
+    L_clip  = E[ max(-Â_t ρ_t(θ), -Â_t clip(ρ_t(θ), 1-ε, 1+ε)) ]
     L_V     = ½ E[ max((V_θ(s_t) - R_t)², (V_old + clip(V_θ - V_old, -ε, ε) - R_t)²) ],  R_t = Â_t + V_old(s_t)
     L       = L_clip - c_ent H[π_θ] + c_vf L_V
 π_θold and V_old are the policy and critic of the update's start on every row, also on the rows an env
@@ -46,7 +46,7 @@ THREADED_FROM_ENVS = 0  # one torch thread per core at any env count: the CNN's 
 
 @dataclass(frozen=True)
 class Args(RunFlags):
-    # The algorithm's flags: a --resume keeps these as the checkpoint has them
+    # The algorithm's flags: a --resume keeps these as the checkpoint has them; after them, run flags' defaults
     env_id: str = "Breakout-v5"
     """the EnvPool Atari game id, e.g. Breakout-v5, Pong-v5, SpaceInvaders-v5"""
     seed: int = 1
@@ -356,7 +356,7 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), the gradient's norm clipped (detail 11)."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)

@@ -1,12 +1,12 @@
 """PPO on a CartPole written in torch tensor ops: thousands of envs, never leaving the device. The env, the rollout
-buffer, GAE, the minibatches and the update are tensor code on `--device`; one host read per iteration logs.
+buffer, GAE, the minibatches and the update are tensor code on `--device`; one host read per iteration, for the logs.
 
 The update (Schulman et al. 2017; "detail N": Huang et al. 2022, "The 37 Implementation Details of PPO"):
-    r_t(θ)  = π_θ(a_t|s_t) / π_θold(a_t|s_t)
+    ρ_t(θ)  = π_θ(a_t|s_t) / π_θold(a_t|s_t)
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)          s'_t: the true next state, also when
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}                        the episode was cut at 500 steps
-    L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ]
-    L_V     = ½ E[ max((V_θ(s_t) - R_t)², (V_old + clip(V_θ - V_old, -ε, ε) - R_t)²) ],  R_t = Â_t + V_old(s_t)
+    L_clip  = E[ max(-Â_t ρ_t(θ), -Â_t clip(ρ_t(θ), 1-ε, 1+ε)) ]
+    L_V     = ½ E[(V_θ(s_t) - R_t)²],  R_t = Â_t + V_old(s_t)      (--clip-vloss: clipped around V_old as in PPO2)
     L       = L_clip - c_ent H[π_θ] + c_vf L_V
 
 Truncation is not failure: when an episode reaches the 500-step limit we bootstrap from the value of its real last
@@ -39,7 +39,7 @@ THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running
 
 @dataclass(frozen=True)
 class Args(RunFlags):
-    # The algorithm's flags: a --resume keeps these as the checkpoint has them
+    # The algorithm's flags: a --resume keeps these as the checkpoint has them; after them, run flags' defaults
     env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
     """the environment: CartPole-v1, EasyCart-v1 (shaped reward) or SpinCart-v1 (spin the pole)"""
     seed: int = 1
@@ -206,7 +206,7 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Tanh(nn.Module):
-    """tanh; compiled, 2σ(2x) - 1 (equal within 2e-7): inductor's exact tanh costs ~2x as much on a CPU."""
+    """nn.Tanh; under torch.compile 2σ(2x) - 1 (equal within 2e-7): inductor's tanh costs ~2x as much on a CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * torch.sigmoid(2 * x) - 1 if torch.compiler.is_compiling() else torch.tanh(x)
@@ -352,7 +352,7 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), the gradient's norm clipped (detail 11)."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
@@ -392,17 +392,17 @@ def train(args: Args, envs=None) -> Agent:
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
-        for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
+        for args in run.args_per_run:  # set up each run; then the last one's objects hold all K (--num-seeds, --sweep)
             torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
             envs = make_envs(args, device, given_envs, args.seed + rank)
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
+            for group in optimizer.param_groups:  # --anneal-lr's start: each group's (each --sweep run's) rate
                 group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * world_size, envs.reset()[0])
         rollout = run.each(Rollout.empty, T, N, envs.obs_dim, device)
-        # --compile: a graph per epoch; the whole iteration as one compiles 2.3x as long, no faster (docs/benchmarks.md)
+        # --compile: a graph per phase; the whole iteration as one compiles ~2x as long, no faster (docs/benchmarks.md)
         phases = (collect_rollout, make_batch, one_epoch)
         collect, prepare, epoch = [torch.compile(f, fullgraph=True) for f in phases] if args.compile else phases
 

@@ -6,7 +6,7 @@ The update (Schulman et al. 2017; CleanRL's continuous-action details), with Bra
     s normalised by a running mean/std (--norm-obs), r scaled by a running std of the discounted return
     δ_t     = r_t + γ (1 - term_t) V(s'_t) - V(s_t)         s'_t: the real next state, also when
     Â_t     = δ_t + γλ (1 - done_t) Â_{t+1}                       the episode was cut by the time limit
-    L_clip  = E[ max(-Â_t r_t(θ), -Â_t clip(r_t(θ), 1-ε, 1+ε)) ],  r_t(θ) = π_θ(a_t|s_t) / π_θold(a_t|s_t)
+    L_clip  = E[ max(-Â_t ρ_t(θ), -Â_t clip(ρ_t(θ), 1-ε, 1+ε)) ],  ρ_t(θ) = π_θ(a_t|s_t) / π_θold(a_t|s_t)
     L_V     = ½ E[(V_θ(s_t) - R_t)²],  R_t = Â_t + V_old(s_t)      (--clip-vloss: clipped around V_old as in PPO2)
     L       = L_clip - c_ent H[π_θ] + c_vf L_V
 """
@@ -49,7 +49,7 @@ THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running
 
 @dataclass(frozen=True)
 class Args(RunFlags):
-    # The algorithm's flags: a --resume keeps these as the checkpoint has them
+    # The algorithm's flags: a --resume keeps these as the checkpoint has them; after them, run flags' defaults
     env_id: EnvId = "ant"
     """the Brax environment"""
     seed: int = 1
@@ -211,7 +211,7 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Tanh(nn.Module):
-    """tanh; compiled, 2σ(2x) - 1 (equal within 2e-7): inductor's exact tanh costs ~2x as much on a CPU."""
+    """nn.Tanh; under torch.compile 2σ(2x) - 1 (equal within 2e-7): inductor's tanh costs ~2x as much on a CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * torch.sigmoid(2 * x) - 1 if torch.compiler.is_compiling() else torch.tanh(x)
@@ -359,7 +359,7 @@ def ppo_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), the gradient's norm clipped (detail 11)."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
@@ -402,12 +402,12 @@ def train(args: Args) -> Agent:
         if rank == 0:
             compiling = f"JAX compiles {args.env_id}'s reset and step for {N} envs first (tens of seconds on a CPU)"
             print(f"note: {compiling}", file=sys.stderr)
-        for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
+        for args in run.args_per_run:  # set up each run; then the last one's objects hold all K (--num-seeds, --sweep)
             torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
             envs = BraxVecEnv(args.env_id, args.backend, N, args.episode_length, device, args.seed + rank)
             agent = Agent(envs.obs_dim, envs.action_dim, normalises_obs(args)).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
+            for group in optimizer.param_groups:  # --anneal-lr's start: each group's (each --sweep run's) rate
                 group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
             scale_reward = RewardScaler(N, args.gamma, device) if args.norm_reward else None
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)

@@ -40,7 +40,7 @@ THREADED_FROM_ENVS = 1024  # one torch thread below this many envs (docs/running
 
 @dataclass(frozen=True)
 class Args(RunFlags):
-    # The algorithm's flags: a --resume keeps these as the checkpoint has them
+    # The algorithm's flags: a --resume keeps these as the checkpoint has them; after them, run flags' defaults
     env_id: Literal["CartPole-v1", "EasyCart-v1", "SpinCart-v1"] = "CartPole-v1"
     """the environment: CartPole-v1, EasyCart-v1 (shaped reward) or SpinCart-v1 (spin the pole)"""
     seed: int = 1
@@ -196,7 +196,7 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class Tanh(nn.Module):
-    """tanh; compiled, 2σ(2x) - 1 (equal within 2e-7): inductor's exact tanh costs ~2x as much on a CPU."""
+    """nn.Tanh; under torch.compile 2σ(2x) - 1 (equal within 2e-7): inductor's tanh costs ~2x as much on a CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * torch.sigmoid(2 * x) - 1 if torch.compiler.is_compiling() else torch.tanh(x)
@@ -338,7 +338,7 @@ def vpg_loss(agent: Agent, args: Args, batch: Batch):
 
 
 def gradient_step(agent: nn.Module, optimizer: Adam, loss_fn, args, batch, idx=None) -> dict:
-    """One Adam step on the loss of the rows `idx` of `batch` (None: all), its norm clipped (detail 11); every mode."""
+    """One Adam step on the loss of the rows `idx` of `batch` (None: all), the gradient's norm clipped (detail 11)."""
     minibatch = batch if idx is None else type(batch)(*(x[idx] for x in batch))
     optimizer.zero_grad()
     stats = optimizer.backward(loss_fn, agent, args, minibatch)  # loss.backward(), vmapped too (--num-seeds)
@@ -368,12 +368,12 @@ def train(args: Args, envs=None) -> Agent:
     with Run(args, evaluate, record_video) as run:
         # --total-timesteps counts all ranks' steps; --eval-only trains not at all (Run evaluates at the end)
         num_iterations = 0 if args.eval_only else args.total_timesteps // (T * N * world_size)
-        for args in run.args_per_run:  # the set-up, once per run (--num-seeds, --sweep: K in turn, then one loop)
+        for args in run.args_per_run:  # set up each run; then the last one's objects hold all K (--num-seeds, --sweep)
             torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
             envs = make_envs(args, device, given_envs, args.seed + rank)
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)  # eps: detail 3
-            for group in optimizer.param_groups:  # --anneal-lr's start, each group's and run's own (float64: exact)
+            for group in optimizer.param_groups:  # --anneal-lr's start: each group's (each --sweep run's) rate
                 group["first_lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
             # --resume: all as the checkpoint left it; state of your own goes in by name (docs/modifying.md)
             obs = run.start(agent, envs, optimizer, num_iterations * T * N * world_size, envs.reset()[0])
