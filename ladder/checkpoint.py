@@ -2,6 +2,7 @@
 
 import json
 import os
+import textwrap
 from typing import Optional
 
 import torch
@@ -29,7 +30,8 @@ def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
     try:
         saved = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holding objects other than plain data
-        raise UsageError(f"{flag} {file} is not a readable checkpoint ({str(e).splitlines()[0][:80]})") from None
+        cause = textwrap.shorten(str(e).splitlines()[0].split(". ")[0], 80)  # torch's first sentence
+        raise UsageError(f"{flag} {file} is not a readable checkpoint ({cause})") from None
     if not isinstance(saved, dict) or saved.get("script", script) != script:
         raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
     if flag == "--resume" and "counters" not in saved:

@@ -180,8 +180,8 @@ class PerRank:
 def check_objects(objects: dict, args, k: int) -> None:
     if odd := [k for k, v in objects.items() if k != "envs" and not (torch.is_tensor(v) or hasattr(v, "state_dict"))]:
         raise UsageError(f"run.start({odd[0]}=...) must be a tensor or have a state_dict(), for --resume")
-    optimizer = objects["optimizer"]
-    if any("initial_lr" in group for group in optimizer.param_groups):  # what an lr_scheduler sets
+    optimizer, groups = objects["optimizer"], objects["optimizer"].param_groups
+    if any("initial_lr" in group for group in groups):  # what an lr_scheduler sets
         if not any(getattr(obj, "optimizer", None) is optimizer for obj in objects.values()):
             raise UsageError(
                 "a torch.optim.lr_scheduler drives the optimizer: give it to run.start(..., "
@@ -191,6 +191,9 @@ def check_objects(objects: dict, args, k: int) -> None:
             raise UsageError("a torch.optim.lr_scheduler and --anneal-lr both set the rate: pass --no-anneal-lr")
         if args.sweep:  # its runs' rates are one tensor of them all, which torch's schedulers cannot fill
             raise UsageError("--sweep with a torch.optim.lr_scheduler: torch's schedulers set one rate for every run")
+    if k == 1 and getattr(args, "anneal_lr", False) and not all(torch.is_tensor(g["lr"]) for g in groups):
+        fix = "lr=torch.tensor(args.learning_rate, device=device), or pass --no-anneal-lr"  # (K > 1: Stacked says it)
+        raise UsageError(f"--anneal-lr sets {type(optimizer).__name__}'s rate in place: give it a tensor, {fix}")
     kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
     dropouts = [m for v in objects.values() if isinstance(v, nn.Module) for m in v.modules() if isinstance(m, kinds)]
     if k > 1 and args.compile and args.device == "cpu" and dropouts:  # docs/modifying.md#the-agent

@@ -137,8 +137,9 @@ class Seed:
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(self.args)}, f, indent=2)
         self.outputs.close(s["eval_mean_return"], self.progress.global_step)
-        if status != "refused" and self.says_result:
-            print(f"{status}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
+        if status != "refused" and self.says_result:  # (an error: its traceback follows)
+            label = "stopped by the error below" if status == "error" else status
+            print(f"{label}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
 
     def final_evaluation(self, summary: dict, evaluate, note) -> None:
         """The evaluation that confirmed the target (unless filmed) or a new one, into `summary`; a signal ends it."""

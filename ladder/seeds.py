@@ -89,9 +89,8 @@ class Seeds:
 
 
 def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
-    """(the aggregate folder, each run's flags: a run of its own; the first films and shows the progress bar) of
-    --num-seeds K, K runs of each configuration of a --sweep `grid` in turn, with --resume or --load-model from the
-    aggregate's folders. One run: (None, [its flags])."""
+    """The aggregate folder and each run's flags: --num-seeds K, K runs per configuration of a --sweep `grid` (the
+    first films, shows progress); --resume, --load-model from the aggregate's folders; one run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
     if n == 1:  # (every run's flags go through with_flags: train()'s caller's too, not only the command line's)
         return None, [with_flags(args, sweep=(), **grid[0])]

@@ -136,11 +136,10 @@ class Stacked:
 
 
 def put_flags(flags: list, names: list[str], values: list) -> list:
-    """The lead's flags (the last run's, which train() reads) holding `values` for `names`; returns the values they had.
-    (A frozen dataclass: object.__setattr__, as its own __init__ sets fields.)"""
+    """The lead's flags (the last run's, which train() reads) holding `values` for `names`; returns their old values."""
     kept = [getattr(flags[-1], name) for name in names]
     for name, value in zip(names, values):  # (no names: no flags)
-        object.__setattr__(flags[-1], name, value)
+        object.__setattr__(flags[-1], name, value)  # frozen: set as its dataclass __init__ sets fields
     return kept
 
 

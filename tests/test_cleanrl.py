@@ -13,7 +13,7 @@ import torch
 
 from conftest import PATHS, ROOT, assert_close, assert_one_error_line, call_main, import_script, run_script, small_args
 from ladder.stacked import Stacked
-from recipes import CLEANRL, CLEANRL_UPDATE, recipe_copy, recipe_diff
+from recipes import ADAM_LINE, CLEANRL, CLEANRL_UPDATE, recipe_copy, recipe_diff
 from test_graph import replayed_on_the_cpu
 from test_many_seeds import stacked_stopped_and_resumed
 from test_modifications import SGD, assert_same_training, three_ways
@@ -97,6 +97,19 @@ def test_a_torch_optimizer_with_cleanrls_update_trains_eager_and_is_refused_in_o
     assert_one_error_line(compiled, "--compile: torch.optim's zero_grad is one dynamo will not compile: use ladder")
     stacked = main_of(copy, *SHORT, "--num-seeds", "2", cwd=in_tmp, monkeypatch=monkeypatch)
     assert_one_error_line(stacked, "must be ladder.optim.Adam")
+
+
+def test_a_torch_optimizer_with_a_float_rate_is_told_to_make_it_a_tensor_or_pass_no_anneal_lr(in_tmp, monkeypatch):
+    """CleanRL's `torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)`: --anneal-lr sets the rate in place,
+    so the run stops at its start in one line saying what to write (it raised AttributeError in the loop before);
+    with --no-anneal-lr it trains."""
+    cleanrls = "            optimizer = torch.optim.AdamW(agent.parameters(), lr=args.learning_rate)\n"
+    copy = recipe_copy(SCRIPT, str(in_tmp), CLEANRL_UPDATE + [(ADAM_LINE, cleanrls)], "cleanrl_float_rate")
+    refused = main_of(copy, *SHORT, cwd=in_tmp, monkeypatch=monkeypatch)
+    assert_one_error_line(refused, "--anneal-lr sets AdamW's rate in place: give it a tensor, lr=torch.tensor(")
+    assert not glob.glob(str(in_tmp / "runs" / "*" / "events.*")), "refused before training"
+    trained = main_of(copy, *SHORT, "--no-anneal-lr", cwd=in_tmp, monkeypatch=monkeypatch)
+    assert trained.returncode == 0, trained.stderr
 
 
 @pytest.mark.parametrize("name", ["SGD", "RMSprop"])

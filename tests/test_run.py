@@ -111,7 +111,7 @@ def episodes(returns):
 
 
 def scripted_run(in_tmp, rollouts, stats=None, evaluate=P.evaluate, **flags):
-    args = P.Args(**dict(progress_bar=False, eval_episodes=0, save_model=True) | flags)
+    args = P.Args(**dict(progress_bar=False, eval_episodes=0, save_model=True, anneal_lr=False) | flags)
     agent = P.Agent(4, 2)
     optimizer = torch.optim.Adam(agent.parameters())
     stats = stats or {"losses/total_loss": torch.tensor(0.5), "losses/explained_variance": torch.tensor(float("nan"))}
@@ -174,7 +174,7 @@ def test_resuming_a_run_that_reached_its_target_is_refused_unless_the_target_cha
     scripted_run(in_tmp, [[500.0] * 100, [500.0] * 100], target_return=490.0)
     (folder,) = glob.glob(str(in_tmp / "runs" / "*"))
     agent = P.Agent(4, 2)
-    args = P.Args(progress_bar=False, eval_episodes=0, target_return=target, resume=folder)
+    args = P.Args(progress_bar=False, eval_episodes=0, target_return=target, resume=folder, anneal_lr=False)
     ended = "the run has ended; to train on, pass --target-return None, or a higher one"
     expected = pytest.raises(UsageError, match=ended) if refused else contextlib.nullcontext()
     with expected, Run(args, P.evaluate, P.record_video) as run:
@@ -197,7 +197,7 @@ def test_run_stops_on_a_non_finite_loss_and_keeps_no_weights(in_tmp):
 
 
 def test_run_writes_everything_on_ctrl_c(in_tmp):
-    args = P.Args(progress_bar=False, eval_episodes=3, save_model=True)
+    args = P.Args(progress_bar=False, eval_episodes=3, save_model=True, anneal_lr=False)
     agent = P.Agent(4, 2)
     with pytest.raises(KeyboardInterrupt):
         with Run(args, P.evaluate, P.record_video) as run:
@@ -314,7 +314,7 @@ def test_ctrl_c_after_a_sigterm_stops_at_once(in_tmp):
 
     agent = P.Agent(4, 2)
     with pytest.raises(KeyboardInterrupt) as stopped:
-        with Run(P.Args(progress_bar=False, eval_episodes=0), P.evaluate, P.record_video) as run:
+        with Run(P.Args(progress_bar=False, eval_episodes=0, anneal_lr=False), P.evaluate, P.record_video) as run:
             run.start(agent, P.CartPole(4), torch.optim.Adam(agent.parameters()), total_steps=10)
             run.signals.request(signal.SIGTERM, None)  # what the SIGTERM handler does
             os.kill(os.getpid(), signal.SIGINT)
@@ -322,3 +322,20 @@ def test_ctrl_c_after_a_sigterm_stops_at_once(in_tmp):
     assert not stopped.value.args  # a plain KeyboardInterrupt, not the end-of-iteration stop (which carries a signal)
     (path,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
     assert read_json(path)["status"] == "interrupted"
+
+
+def test_a_run_a_bug_stops_says_where_its_outputs_are_without_reading_as_an_error_line(in_tmp, monkeypatch, capsys):
+    """A bug in a copy ends the run with Python's traceback; the result line printed before it names the outputs and
+    does not start as a refusal's one `error:` line does (it read `error: total_env_steps 0, ...`)."""
+    module = import_script("ppo_cartpole_gpu")
+
+    def broken(*args):
+        raise RuntimeError("a bug in a copy")
+
+    monkeypatch.setattr(module, "gradient_step", broken)
+    with pytest.raises(RuntimeError, match="a bug in a copy"):
+        module.train(module.Args(num_envs=32, num_steps=16, total_timesteps=2048, progress_bar=False, device="cpu"))
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("stopped by the error below: total_env_steps 0") and "; outputs in runs" in line, line
+    (summary,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
+    assert read_json(summary)["status"] == "error"
