@@ -31,6 +31,7 @@ class Adam(torch.optim.Optimizer):
         zeros = torch.zeros_like(self.flat)
         self.state["flat"] = dict(step=torch.zeros((), device=zeros.device), exp_avg=zeros, exp_avg_sq=zeros.clone())
         self._opt_called = True  # `step` takes steps: an lr scheduler's warning that it never does is wrong
+        type(self).step._wrapped_by_lr_sched = True  # so a scheduler does not wrap it in a function dynamo skips
 
     @property
     def flat(self) -> torch.Tensor:  # in a dict: dynamo sees what a compiled --num-seeds call puts there

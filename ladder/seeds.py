@@ -132,10 +132,10 @@ def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final:
     """The aggregate folder's summary.json: the runs' folders (for --resume), at the end their statistics and line,
     or a --sweep's ranking of its configurations (ranking.csv, ranking.json, learning_curves.png)."""
     summaries = [summary for summary in map(read_summary, dirs if final else []) if summary is not None]
-    agg = aggregate(summaries) if summaries else {}
+    agg = aggregate(summaries) if summaries and not args.sweep else {}  # a sweep's: per configuration (ranking.json)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "summary.json"), "w") as f:
-        json.dump({"run_dirs": dirs, "num_seeds": len(dirs), **agg, "args": asdict(args)}, f, indent=2)
+        json.dump({"run_dirs": dirs, "num_seeds": args.num_seeds, **agg, "args": asdict(args)}, f, indent=2)
     if final and args.sweep and len(summaries) == len(dirs):
         rows = write_ranking(folder, grid, dirs, summaries)
         print(f"{len(grid)} configurations x {args.num_seeds} seeds, ranked:\n{table(rows)}\noutputs in {folder}")

@@ -208,9 +208,19 @@ PRIVATE_TORCH = {
     "and the hooks it runs cannot fire in a CUDA graph's replay (refused in one line instead)",
     "_opt_called": "Adam tells an lr scheduler its step ran: torch sets it only in the wrapper of optimizer.step, "
     "which a stacked seed's optimizer (the lead steps for all K) never runs",
+    "_wrapped_by_lr_sched": "Adam's step (a subclass's too) is marked as one an lr scheduler has wrapped: torch's "
+    "wrapper is a function dynamo skips, so a compiled gradient step stopped at optimizer.step() (--compile with a "
+    "scheduler); what the wrapper does, _opt_called, Adam sets itself",
 }
 """The private torch names ladder/ uses with no public equivalent, and why (docs/tests.md says the same)."""
-PRIVATE_ATTRIBUTES = ("._parameters", "._buffers", ".data =", "_patch_step_function", "_opt_called")
+PRIVATE_ATTRIBUTES = (
+    "._parameters",
+    "._buffers",
+    ".data =",
+    "_patch_step_function",
+    "_opt_called",
+    "_wrapped_by_lr_sched",
+)
 """Private attributes scanned for beside torch's `_` modules: each used must be in PRIVATE_TORCH with its reason (the
 first three, with a public way round, went on 2026-11-29)."""
 

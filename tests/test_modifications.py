@@ -411,6 +411,25 @@ def test_a_scheduler_steps_two_stacked_seeds_and_resumes_them_exactly(in_tmp, mo
     assert not [w for w in recwarn if "before `optimizer.step()`" in str(w.message)]
 
 
+@pytest.mark.behaviour
+def test_a_scheduler_trains_alike_compiled(in_tmp, monkeypatch, recwarn):
+    """--compile with a scheduler, as the recipe says: torch's scheduler wraps optimizer.step in a function dynamo
+    skips, and the compiled gradient step stopped there (`error: --compile: Attempted to call function marked as
+    skipped`, found by a user's trial of the recipe); ladder's Adam is marked as wrapped already, so the compiled run
+    trains as the eager one, its rates the schedule's, and the scheduler warns of nothing."""
+    module = import_script("ppo_cartpole_gpu")
+    lr_scheduler(module, monkeypatch, step_size=1)
+    args = small_args(module, eval_episodes=0, anneal_lr=False)
+    eager = module.train(replace(args, exp_name="eager"))
+    torch._dynamo.reset()
+    compiled = module.train(replace(args, exp_name="compiled", compile=True))
+    assert_same_training(eager, compiled, eager)
+    rates = [rate for _, rate in scalars(run_dir(in_tmp, "compiled"))["charts/learning_rate"]]
+    assert rates[0] == pytest.approx(args.learning_rate), rates
+    assert rates[-1] == pytest.approx(rates[0] / 2 ** (len(rates) - 1)), rates
+    assert not [w for w in recwarn if "optimizer.step()" in str(w.message)]
+
+
 def test_a_scheduler_not_given_to_run_start_is_refused_in_one_line(in_tmp, monkeypatch):
     """A scheduler on the run's optimizer that `run.start` was not given would start its schedule over at a resume
     (the issue's copy: its rate climbed to 4.7x the configured peak): refused at start, in one line."""

@@ -143,7 +143,7 @@ def test_each_configuration_learns_in_the_stacked_call_as_alone(script, tmp_path
 def test_a_sweep_is_a_run_per_configuration_and_seed_ranked_in_its_aggregate(script, in_tmp, capsys):
     """Two learning rates x two discounts x two seeds: eight run folders, each with its flags in summary.json and its
     own annealed rate; the aggregate ranks the four configurations by their seeds' evaluation IQM (CSV, JSON, PNG,
-    and the table printed instead of a line per run)."""
+    and the table printed instead of a line per run), and its summary.json pools no statistic across them."""
     M = import_script(script)
     args = small_args(M, num_seeds=2, exp_name="grid", sweep=("learning-rate=1e-3,1e-2", "gamma=0.9,0.99"))
     agents = train_seeds(M, args)
@@ -169,7 +169,9 @@ def test_a_sweep_is_a_run_per_configuration_and_seed_ranked_in_its_aggregate(scr
     assert os.path.getsize(os.path.join(group, "learning_curves.png")) > 10_000
     out = capsys.readouterr().out
     assert "4 configurations x 2 seeds, ranked:" in out and "completed:" not in out
-    assert read_json(os.path.join(group, "summary.json"))["args"]["sweep"] == list(args.sweep)
+    aggregate = read_json(os.path.join(group, "summary.json"))
+    assert aggregate["args"]["sweep"] == list(args.sweep) and aggregate["num_seeds"] == 2  # (it said 8: the runs)
+    assert "eval_iqm" not in aggregate  # one IQM over all four configurations would mean nothing: ranking.json's
     events = EventAccumulator(dirs[0])  # TensorBoard's HPARAMS tab: each run's flags, compared across folders
     events.Reload()
     assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
