@@ -446,9 +446,10 @@ def import_brax():
     # read on MuJoCo's import: offscreen OpenGL for the MP4 ("egl" without libEGL fails the import)
     if ctypes.util.find_library("EGL"):
         os.environ.setdefault("MUJOCO_GL", "egl")
-    # hushed: MuJoCo's "Failed to import warp" (an optional backend), Brax's and JAXopt's "no longer maintained"
+    # hushed: MuJoCo's warp, Brax's and JAXopt's notices; JAX's fork warning at ffmpeg's start (it execs: no deadlock)
     warnings.filterwarnings("ignore", message="Brax System, piplines and environments are not actively")
     warnings.filterwarnings("ignore", message="JAXopt is no longer maintained", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
     try:
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             import jax

@@ -20,7 +20,7 @@ class RunFlags:
     the checkpoint has them; these it may change. A script overrides a default by declaring the field again."""
 
     total_timesteps: int = 5_000_000
-    """upper bound on env steps, all torchrun ranks together (training may stop earlier: `target-return`)"""
+    """env steps to train, all torchrun ranks together, in whole rollouts (may stop earlier: `target-return`)"""
     target_return: Optional[float] = None
     """stop once the mean return of the last 100 episodes reaches this (None: never)"""
     exp_name: str = "experiment"
@@ -36,8 +36,7 @@ class RunFlags:
     num_seeds: int = 1
     """train seeds `seed` .. `seed`+K-1 in this process, their work stacked (vmap): a run folder each, an aggregate"""
     sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
-    """NAME=V1,V2,... (repeatable): a run per value of the algorithm's float flag NAME (the grid of all --sweep's),
-    --num-seeds K each, all stacked in this process; ranked at the end in the aggregate folder (docs/running.md)"""
+    """NAME=V1,V2,...: a run per value of an algorithm's float flag (several: their grid), stacked (docs/running.md)"""
     track: bool = False
     """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "rl-ladder"
