@@ -54,6 +54,7 @@ class Outputs:
             self.writer.file_writer.add_summary(summary, step)
             if self.wandb is not None:  # not W&B's sync_tensorboard: it follows one run per process
                 self.wandb.log(values | {"global_step": step})
+        self.writer.flush()  # on disk now (its own writer keeps events up to 120 s)
 
     def show(self, steps: int, done: int, total: int, sps, recent: str, label: str = "") -> None:
         """The progress bar moved on by `steps`, or, without a terminal, a line every 30 s."""

@@ -113,8 +113,8 @@ class Run(contextlib.AbstractContextManager):
             self.clock = time.perf_counter()
 
     def target_reached(self) -> bool:
-        """Whether every seed's last 100 episodes reach `target-return`, each confirmed by an evaluation of its greedy
-        policy (a sampling one can while its greedy twin drifts off), asked again after 100 more episodes."""
+        """Whether every seed's last 100 episodes reach `target-return`, each confirmed by an evaluation (greedy but
+        in Atari: a sampling policy can while its greedy twin drifts off), asked again after 100 more episodes."""
         p, target, mean = self.progress, self.args.target_return, self.progress.mean()
         for i in np.nonzero((mean >= target) & ~p.target_reached)[0] if target is not None else ():
             seed, evaluated = self.runs[i], self.runs[i].args.eval_episodes > 0

@@ -185,7 +185,7 @@ def result_line(summary: dict) -> str:
     text = ", ".join(f"{key} {number(summary[key])}" for key in shown if summary[key] is not None)
     train_mean, eval_mean = summary["mean_return_last_100"], summary["eval_mean_return"]
     if train_mean is not None and eval_mean is not None and abs(eval_mean - train_mean) > 0.1 * abs(train_mean):
-        text += " (training samples its actions, the evaluation takes the likeliest ones)"
+        text += " (training's mean spans earlier policies, sampled; the evaluation plays the final one)"
     return text
 
 

@@ -52,7 +52,8 @@ class Seeds:
         """Rank 0's outputs of an iteration: each seed's scalars (written every 10 s) and the progress bar."""
         p = self.progress
         self.rows.append((p.global_step, tags, columns))
-        if time.perf_counter() - self.flushed >= 10.0:  # TensorBoard's own writer keeps events up to 120 s anyway
+        interval = self.args.checkpoint_interval  # written at each checkpoint too: a resume after a kill leaves no gap
+        if time.perf_counter() - self.flushed >= 10.0 or interval and p.iteration % interval == 0:
             self.flush()
         recent, label = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})", "seed 1: " if self.k > 1 else ""
         if self.args.sweep:

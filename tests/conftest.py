@@ -56,7 +56,11 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--script {path}: no such file")
     lines = lambda file: pathlib.Path(file).read_text().splitlines()
     like = lambda name: difflib.SequenceMatcher(None, lines(path), lines(os.path.join(ROOT, name + ".py"))).ratio()
-    source = max(SCRIPTS, key=like)
+    source = max(ALL_SCRIPTS, key=like)
+    if source not in SCRIPTS:  # Atari's and Brax's tests run their own envs: a copy of theirs is not a CartPole's
+        raise pytest.UsageError(
+            f"--script {path}: a copy of {source}.py; --script tests copies of {', '.join(SCRIPTS)}"
+        )
     name = os.path.splitext(os.path.basename(path))[0]
     if name in ALL_SCRIPTS:
         raise pytest.UsageError(f"--script {path}: give the copy a name of its own (not {name}.py)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch._dynamo
 
+import ladder.seed
 from conftest import (
     ROOT,
     SCRIPTS,
@@ -370,3 +371,18 @@ def test_eval_only_of_a_checkpoint_takes_its_seed(tmp_path):
                      "--exp-name", "bare", "--num-envs", "32", cwd=tmp_path)  # fmt: skip
     assert bare.returncode == 0, bare.stderr
     assert "__bare__1__" in run_dir(tmp_path, "bare") and "(a bare model keeps no seed: --seed 1's)" in bare.stderr
+
+
+def test_every_scalar_before_a_checkpoint_is_on_disk_when_it_is_written(in_tmp, monkeypatch):
+    """A run killed (SIGKILL: no handler runs) after a checkpoint and resumed logs on from the checkpoint's step, so the
+    scalars of the steps before it must be on disk by then: a user's trial found a gap in the resumed curves (the rows
+    of up to 10 s, and what TensorBoard's writer holds for up to 120 s, were not written yet)."""
+    module, on_disk, real_save = import_script("ppo_cartpole_gpu"), [], ladder.seed.Seed.save
+
+    def save(self, note):
+        on_disk.append((self.progress.global_step, scalars(self.dir)["losses/value_loss"][-1][0]))
+        real_save(self, note)
+
+    monkeypatch.setattr(ladder.seed.Seed, "save", save)
+    module.train(small_args(module, eval_episodes=0, checkpoint_interval=2))
+    assert len(on_disk) >= 3 and all(step == logged for step, logged in on_disk), on_disk

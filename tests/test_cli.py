@@ -187,6 +187,23 @@ def test_without_a_terminal_a_run_shows_signs_of_life_at_once(script, in_tmp):
     assert len([line for line in rest if " steps, " in line]) == 1, result.stderr
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "flag, missing",
+    [("--capture-video", "imageio"), ("--capture-video", "imageio_ffmpeg"), ("--track", "wandb")],
+)
+def test_a_missing_package_a_flag_needs_is_one_line_before_the_run(flag, missing, tmp_path, monkeypatch):
+    """--capture-video needs imageio and its ffmpeg (without it the first video raised imageio's ValueError mid-run,
+    and one filmed only at the end lost the run's summary.json), --track wandb: one line naming the pip install,
+    before a run folder is made."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    result = call_main("ppo_cartpole_gpu", flag, "--total-timesteps", "2048", cwd=tmp_path)
+    package = missing.replace("_", "-")
+    assert_one_error_line(result, f"{flag} needs {package}: pip install {package}==")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
     result = run_script("ppo_cartpole_gpu", "--device", "cuda", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and result.stderr.strip() == (
