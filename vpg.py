@@ -89,7 +89,7 @@ class Args(RunFlags):
             "vf_coef": (self.vf_coef >= 0, ">= 0"),
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "capture_video": (
-                not self.capture_video or issubclass(ENVS[self.env_id], CartPole),
+                not self.capture_video or issubclass(ENVS[self.env_id], CartPole) and ENVS[self.env_id].obs_dim == 4,
                 f"off for {self.env_id}: it draws CartPole states",
             ),
         }
@@ -441,8 +441,8 @@ def make_envs(args: Args, device: torch.device, envs=None, seed: int = 0):
         envs = ENVS[args.env_id](args.num_envs, device, seed)
     if envs.num_envs != args.num_envs:
         raise ValueError(f"the env has {envs.num_envs} envs but --num-envs is {args.num_envs}")
-    if args.capture_video and not isinstance(envs, CartPole):  # `draw` pictures a cart and a pole
-        raise ValueError(f"--capture-video draws CartPole states; {type(envs).__name__} is not a CartPole")
+    if args.capture_video and not (isinstance(envs, CartPole) and envs.obs_dim == 4):  # `draw`: the whole state
+        raise ValueError(f"--capture-video draws CartPole states; {type(envs).__name__}'s observations are not")
     return envs
 
 

@@ -123,6 +123,6 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
     finally:
         if dist.is_initialized():  # a compiled graph holds the group; dynamo keeps the graphs in the script's globals
             for name in [name for name in vars(sys.modules[train.__module__]) if name.startswith("__compiled_fn")]:
-                delattr(sys.modules[train.__module__], name)
+                setattr(sys.modules[train.__module__], name, None)  # (dynamo deletes the name when the graph goes)
             gc.collect()  # (graphs are reference cycles) so the group's threads end with it
             dist.destroy_process_group()

@@ -43,16 +43,15 @@ def ranks_apart(shared: dict, noted: set, note) -> dict[str, torch.Tensor]:
     sums = {name: float(tensor.double().sum()) for name, tensor in tensors.items()}
     dist.all_gather_object(every := [None] * dist.get_world_size(), sums)
     apart = [name for name in sums if len({rank[name] for rank in every}) > 1]
-    for owner in dict.fromkeys(name.split(".")[0] for name in apart if name.split(".")[0] not in noted):
-        noted.add(owner)
-        own = [name for name in apart if name.split(".")[0] == owner]
-        if parameters.intersection(own):
-            fix = f"average its gradients: average_gradients({owner}) between backward() and step(), docs/modifying.md"
-            note(f"{owner} differs between the torchrun ranks ({fix}); rank 0's is saved")
-        else:
-            verb = "differs" if len(own) == 1 else "differ"
-            kept = "each rank's is saved and resumed as its own (docs/modifying.md#your-own-state)"
-            note(f"{', '.join(own)} {verb} between the torchrun ranks: {kept}")
+    for owner in dict.fromkeys(n.split(".")[0] for n in apart if n in parameters and n.split(".")[0] not in noted):
+        noted.add(owner)  # (by the module's name: its buffers noted before do not hide its weights)
+        fix = f"average its gradients: average_gradients({owner}) between backward() and step(), docs/modifying.md"
+        note(f"{owner} differs between the torchrun ranks ({fix}); rank 0's is saved")
+    if own := [name for name in apart if name not in parameters and name not in noted]:
+        noted.update(own)
+        verb = "differs" if len(own) == 1 else "differ"
+        kept = "each rank's is saved and resumed as its own (docs/modifying.md#your-own-state)"
+        note(f"{', '.join(own)} {verb} between the torchrun ranks: {kept}")
     return {name: tensors[name].cpu() for name in apart if name not in parameters}
 
 

@@ -10,6 +10,7 @@ import torch
 from dp_worker import fixed_batch, update_batches, updated
 
 from conftest import ROOT, assert_close, import_script, interrupt_after_an_iteration, read_json, torchrun
+from ladder import distributed
 from ladder.optim import Adam
 
 P = import_script("ppo_cartpole_gpu")
@@ -199,6 +200,7 @@ if any("gloo" in name for name in names):
              "--no-progress-bar", *compiled]  # fmt: skip
     result = torchrun(str(worker), *flags, cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]  # (dynamo's names deleted twice: KeyError)
     (path,) = glob.glob(str(tmp_path / "runs" / "*" / "summary.json"))
     summary = read_json(path)
     assert summary["status"] == "completed" and summary["world_size"] == 2 and len(summary["eval_returns"]) == 2
@@ -269,3 +271,29 @@ def test_the_three_recipes_stopped_and_resumed_under_torchrun_equal_one_run(work
         assert torch.equal(ranks[0][key], ranks[1][key]), key
     notes = [line for line in (worker_outputs / "stderr.txt").read_text().splitlines() if "agent.obs_rms" in line]
     assert notes and all(" differ between the torchrun ranks: each rank's is saved and resumed" in n for n in notes)
+
+
+def test_weights_that_drift_apart_after_their_modules_buffers_did_are_noted(monkeypatch):
+    """A module whose buffers differ between the ranks (observation statistics: each rank keeps its own) and whose
+    weights later drift apart too (an auxiliary head trained without `average_gradients`): both are noted. Before,
+    the module was noted once, by its name, so its weights drifting went unsaid and rank 0's alone were saved."""
+    agent = torch.nn.Linear(2, 2)
+    agent.register_buffer("mean", torch.zeros(2))
+    apart, noted, notes = set(), set(), []
+
+    def all_gather_object(ranks, sums):  # rank 1's checksums: rank 0's, but for the names `apart`
+        ranks[:] = [sums, {name: value + (name in apart) for name, value in sums.items()}]
+
+    monkeypatch.setattr(distributed.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    for differing in ({"agent.mean"}, {"agent.mean", "agent.weight"}, {"agent.mean", "agent.weight"}):
+        apart.clear()
+        apart.update(differing)
+        own = distributed.ranks_apart({"agent": agent}, noted, notes.append)
+        assert set(own) == {"agent.mean"}  # a buffer: each rank's own, saved; the weights: rank 0's
+    assert notes == [
+        "agent.mean differs between the torchrun ranks: each rank's is saved and resumed as its own"
+        " (docs/modifying.md#your-own-state)",
+        "agent differs between the torchrun ranks (average its gradients: average_gradients(agent) between backward()"
+        " and step(), docs/modifying.md); rank 0's is saved",
+    ]

@@ -976,6 +976,10 @@ def test_capture_video_refuses_an_env_it_cannot_draw_however_it_came(name, in_tm
     monkeypatch.setitem(module.ENVS, "SpinCart-v1", Pendulum)
     result = call_main(name, "--env-id", "SpinCart-v1", "--capture-video", *short_flags(name), cwd=in_tmp)
     assert_one_error_line(result, "--capture-video must be off for SpinCart-v1: it draws CartPole states, got True")
+    # the recurrent recipe's CartPole that observes positions alone (a user's trial: a traceback after iteration 1)
+    monkeypatch.setitem(module.ENVS, "SpinCart-v1", type("PositionsCart", (module.CartPole,), {"obs_dim": 2}))
+    result = call_main(name, "--env-id", "SpinCart-v1", "--capture-video", *short_flags(name), cwd=in_tmp)
+    assert_one_error_line(result, "--capture-video must be off for SpinCart-v1: it draws CartPole states, got True")
     assert not os.path.exists(os.path.join(in_tmp, "runs"))
 
 
