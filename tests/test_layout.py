@@ -201,9 +201,9 @@ PRIVATE_TORCH = {
     "torch._dynamo.utils": "guard_failures: the guard a recompilation failed on, named in that line",
     "torch._inductor.config": "which inductor options this torch has (torch.compile's options= has no public list)",
     "torch.utils._pytree": "tree_flatten, tree_unflatten and tree_map (torch 2.13 has no public pytree)",
-    "__compiled_fn": "the names of the graphs dynamo keeps in a compiled function's globals (the script's), dropped "
-    "under torchrun before the process group is destroyed: a graph that all-reduces holds it (its threads outlived "
-    "main); torch.compiler.reset() leaves them",
+    "__compiled_fn": "the names of the graphs dynamo keeps in a compiled function's globals (the script's), set to "
+    "None under torchrun before the process group is destroyed: a graph that all-reduces holds it (its threads "
+    "outlived main); torch.compiler.reset() leaves them (dynamo deletes each name itself when its graph goes)",
     "_patch_step_function": "Adam keeps torch's profiler wrapper off its step: compiled, it logs a warning per graph, "
     "and the hooks it runs cannot fire in a CUDA graph's replay (refused in one line instead)",
     "_opt_called": "Adam tells an lr scheduler its step ran: torch sets it only in the wrapper of optimizer.step, "
