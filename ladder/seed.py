@@ -148,7 +148,7 @@ class Seed:
             signal.signal(sig, signal.default_int_handler)
         with contextlib.suppress(KeyboardInterrupt):
             if not (reuse := bool(self.progress.target_reached[self.index]) and video is None):
-                note(f"evaluating the policy on {self.args.eval_episodes} episodes")
+                note(f"evaluating the policy on {self.args.eval_episodes} episode{'s' * (self.args.eval_episodes > 1)}")
             returns = self.eval_returns if reuse else self.play(evaluate, video)
             summary["eval_returns"], summary["eval_mean_return"] = returns, float(np.mean(returns))
             if video:
