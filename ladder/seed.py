@@ -63,10 +63,10 @@ class Seed:
             note(f"--eval-only: evaluating {a.load_model} ({seed}) into a new run folder, {self.dir}")
         elif total_steps < 0.999 * a.total_timesteps:  # not for 5M -> 4,999,168
             note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
-        if self.rank == 0:
-            os.makedirs(self.dir, exist_ok=True)
+        if self.rank == 0:  # (the folder made after W&B's login: a refused --track leaves none)
             wandb_id = saved and saved["wandb_id"]
             self.outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
+            os.makedirs(self.dir, exist_ok=True)
         return obs
 
     def restore(self, saved: dict, obs, note):

@@ -296,11 +296,12 @@ def test_a_folder_the_run_cannot_write_ends_in_one_line(tmp_path):
 
 
 def test_track_without_a_wandb_login_ends_in_one_line(tmp_path):
-    """--track with no W&B login (no key, no netrc) ends in one line saying how: `wandb login` or offline. Before: a
-    35-line traceback (`No API key configured`)."""
+    """--track with no W&B login (no key, no netrc) ends in one line saying how: `wandb login` or offline, and leaves
+    no run folder (it left an empty one). Before: a 35-line traceback (`No API key configured`)."""
     env = {"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": "online", "WANDB_DIR": str(tmp_path)}
     result = run_script("ppo_cartpole_gpu", *SHORT, "--track", cwd=tmp_path, env=env, timeout=120)
     assert_one_error_line(result, "--track: No API key configured. Use `wandb login` to log in. (or WANDB_MODE=offline")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_ends_in_one_line(in_tmp, monkeypatch):
