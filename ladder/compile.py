@@ -24,6 +24,8 @@ def compile_settings() -> None:
 
 def compile_error(e: BaseException | None) -> str | None:
     """One line for what stopped a compiled graph (dynamo's error, which names the line of the script), else None."""
+    if not isinstance(e, Exception):  # a signal's KeyboardInterrupt, maybe in the midst of importing torch._dynamo
+        return None
     if not isinstance(e, (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)):
         return None
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
