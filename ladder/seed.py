@@ -118,31 +118,32 @@ class Seed:
         if greedy(record_video, self.objects["agent"], self.objects["envs"], rollout, self.args, path):
             self.outputs.video(path, "videos/training")
 
-    def finish(self, status: str, whole: bool, stopped: bool, setup: dict, evaluate, note) -> None:
+    def finish(self, status: str, whole: bool, stopped: bool, setup: dict, evaluate, note) -> bool:
         """The final checkpoint (when the state is `whole`), then on rank 0 the model, the final evaluation (not after
-        a signal), summary.json and the result line (none after a refusal: main's `error:` line says it)."""
+        a signal), summary.json and the result line (none after a refusal); whether a signal stopped it."""
         if whole and not self.args.eval_only and self.checkpointed != self.progress.iteration:
             self.save(note)
         if whole and self.world_size > 1:  # the last collective: rank 0 alone goes on, however long it evaluates
             dist.barrier()
         if self.outputs is None:  # not rank 0, or not opened (a flag refused late, a failed resume leave no trace)
-            return
+            return stopped
         s = summary(self, status, setup)
         if status != "non-finite loss" and self.args.save_model:  # NaN weights are not worth keeping
             s["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
             with self.own():
                 torch.save(self.objects["agent"].state_dict(), s["model_path"])
         if self.args.eval_episodes and status in ("completed", "target return reached", "evaluated") and not stopped:
-            self.final_evaluation(s, evaluate, note)
+            stopped = self.final_evaluation(s, evaluate, note)
         with open(os.path.join(self.dir, "summary.json"), "w") as f:
             json.dump(s | {"args": asdict(self.args)}, f, indent=2)
         self.outputs.close(s["eval_mean_return"], self.progress.global_step)
         if status != "refused" and self.says_result:  # (an error: its traceback follows)
             label = "stopped by the error below" if status == "error" else status
             print(f"{label}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
+        return stopped  # (a signal that ends one seed's final evaluation ends the next seeds' too)
 
-    def final_evaluation(self, summary: dict, evaluate, note) -> None:
-        """The evaluation that confirmed the target (unless filmed) or a new one, into `summary`; a signal ends it."""
+    def final_evaluation(self, summary: dict, evaluate, note) -> bool:
+        """The confirming evaluation (unless filmed) or a new one, into `summary`; True: a signal cut it short."""
         video = os.path.join(self.dir, "videos", "evaluation.mp4") if self.args.capture_video else None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler)
@@ -153,6 +154,7 @@ class Seed:
             summary["eval_returns"], summary["eval_mean_return"] = returns, float(np.mean(returns))
             if video:
                 self.outputs.video(video, "videos/evaluation")
+        return summary["eval_returns"] is None
 
 
 def greedy(play, agent, *args):

@@ -80,7 +80,7 @@ class Seeds:
         for seed, run in enumerate(self.runs):
             reached = status == "completed" and self.progress.target_reached[seed]
             status_k = "target return reached" if reached else status
-            run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else lambda message: None)
+            stopped = run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else lambda message: None)
         if self.k > 1 and self.rank == 0 and len(self.runs) == self.k and status != "refused":
             write_aggregate(self.dir, [run.dir for run in self.runs], self.args, self.grid, final=True)
         if at_end and self.runs and self.runs[0].checkpointed >= 0:

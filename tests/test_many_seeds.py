@@ -322,3 +322,22 @@ def test_a_seed_of_k_resumes_alone_from_its_own_folder(in_tmp, monkeypatch):
     resumed = read_json(os.path.join(dirs[1], "summary.json"))
     assert (stopped["status"], stopped["iterations"]) == ("interrupted", 3)
     assert (resumed["status"], resumed["iterations"], resumed["seed"]) == ("completed", 6, 2)
+
+
+def test_a_signal_that_cuts_one_seeds_final_evaluation_cuts_the_next_seeds_too(in_tmp, monkeypatch):
+    """A signal during the final evaluation ends it (its handler raises KeyboardInterrupt there): for every seed, each
+    summary.json written without its returns. Before, it ended seed 1's alone and seed 2 was evaluated after it (a
+    user's trial), its aggregate an IQM of one run."""
+    module, calls = import_script("ppo_cartpole_gpu"), []
+
+    def evaluate(*args):
+        calls.append(args)
+        raise KeyboardInterrupt  # as the final evaluation's SIGTERM handler raises it
+
+    monkeypatch.setattr(module, "evaluate", evaluate)
+    module.train(small_args(module, num_seeds=2, eval_episodes=3, exp_name="cut"))
+    summaries = [
+        read_json(path) for path in sorted(glob.glob(str(in_tmp / "runs" / "*__cut__[12]__*" / "summary.json")))
+    ]
+    assert len(summaries) == 2 and len(calls) == 1, (len(summaries), len(calls))
+    assert [(s["status"], s["eval_returns"]) for s in summaries] == [("completed", None)] * 2
