@@ -203,6 +203,7 @@ def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_t
     monkeypatch.undo()
     group, dirs = aggregate_folder(in_tmp, "cut")
     assert {read_json(os.path.join(d, "summary.json"))["status"] for d in dirs} == {"interrupted"}
+    assert not os.path.exists(os.path.join(group, "ranking.json"))  # no ranking of runs not ended (there was one)
     resumed = call_main("ppo_cartpole_gpu", "--resume", group, "--no-progress-bar", cwd=in_tmp)
     assert resumed.returncode == 0, resumed.stderr
     for k, d in enumerate(aggregate_folder(in_tmp, "whole")[1]):
