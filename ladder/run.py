@@ -138,6 +138,7 @@ class Run(contextlib.AbstractContextManager):
     def checkpoint(self) -> None:
         """checkpoint.pt in each seed's folder, every `checkpoint-interval` iterations (after a signal: at the end)."""
         if self.args.checkpoint_interval and self.progress.iteration % self.args.checkpoint_interval == 0:
+            self.all.flush()  # the scalars before it on disk first: a resume after a kill logs on from it, no gap
             if self.stack:  # what each seed's checkpoint reads from its objects first made as the lead's (stacked.py)
                 self.stack.share_lead()
             for seed in self.runs:

@@ -52,8 +52,7 @@ class Seeds:
         """Rank 0's outputs of an iteration: each seed's scalars (written every 10 s) and the progress bar."""
         p = self.progress
         self.rows.append((p.global_step, tags, columns))
-        interval = self.args.checkpoint_interval  # written at each checkpoint too: a resume after a kill leaves no gap
-        if time.perf_counter() - self.flushed >= 10.0 or interval and p.iteration % interval == 0:
+        if time.perf_counter() - self.flushed >= 10.0:  # and at each checkpoint (run.checkpoint)
             self.flush()
         recent, label = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})", "seed 1: " if self.k > 1 else ""
         if self.args.sweep:
@@ -63,7 +62,7 @@ class Seeds:
     def flush(self) -> None:
         """The scalars since the last flush to each seed's TensorBoard and W&B (a NaN statistic: no value)."""
         numbers = lambda tags, values: {tag: float(v) for tag, v in zip(tags, values) if math.isfinite(v)}
-        for seed, run in enumerate(self.runs):
+        for seed, run in enumerate(self.runs if self.rows else ()):  # (rank 0's alone: it alone reports)
             run.outputs.write([(step, numbers(tags, row[seed])) for step, tags, row in self.rows])
         self.rows, self.flushed = [], time.perf_counter()
 
@@ -75,8 +74,7 @@ class Seeds:
         whole = (exc is None or at_end) and len(self.runs) == self.k  # the state is whole: a checkpoint
         if self.stack and whole:
             self.stack.share_lead()
-        if self.rows:  # (rank 0's: it alone reports)
-            self.flush()
+        self.flush()
         for seed, run in enumerate(self.runs):
             reached = status == "completed" and self.progress.target_reached[seed]
             status_k = "target return reached" if reached else status
