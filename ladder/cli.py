@@ -33,9 +33,9 @@ def check_run_flags(args) -> torch.device:
     compiler = os.environ.get("CXX", {"win32": "cl", "darwin": "clang++"}.get(sys.platform, "g++"))  # inductor's
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
         raise UsageError("--compile on the CPU needs a C++ compiler: install g++ (or set CXX), or leave out --compile")
-    pins = {"capture_video": ("imageio==2.38.1", "imageio-ffmpeg==0.8.1"), "track": ("wandb==0.31.0",)}  # ffmpeg: MP4
-    for flag, pin in [(name, pin) for name in pins if getattr(args, name) for pin in pins[name]]:
-        if importlib.util.find_spec((package := pin.split("==")[0]).replace("-", "_")) is None:
+    pins = {"imageio==2.38.1": "capture_video", "imageio-ffmpeg==0.8.1": "capture_video", "wandb==0.31.0": "track"}
+    for pin, flag in pins.items():  # (imageio-ffmpeg: imageio's MP4 writer)
+        if getattr(args, flag) and importlib.util.find_spec((package := pin.split("==")[0]).replace("-", "_")) is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs {package}: pip install {pin}")
     if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
         raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
