@@ -113,7 +113,11 @@ class Stacked:
                 flags = put_flags(self.flags, self.swept, hyper)  # the run's own, as tensors
                 tensors = iter(tensors)
                 args = pytree.tree_unflatten([next(tensors) if is_tensor else x for is_tensor, x in kept], spec)
-                call = lambda: (fn(*args), [value_at(place) for place in self.slots])  # noqa: E731  (read inside)
+
+                def call():  # (vmap returns tensors: a function that returns nothing, {})
+                    out = fn(*args)
+                    return {} if out is None else out, [value_at(place) for place in self.slots]
+
                 for adam in self.adams:  # its parameters: views of the seed's vector
                     call = functools.partial(adam.call_with, adam.flat, call)
                 parameters = {n: x for n, x in zip(self.names, values) if n}  # by functional_call: setattr refuses them

@@ -272,10 +272,11 @@ def test_another_optimizer_trains_alike_compiled_and_resumed(name, in_tmp, monke
     assert_same_training(eager, compiled, resumed)
 
 
-def auxiliary_phase(module, monkeypatch) -> dict:
+def auxiliary_phase(module, monkeypatch, stacked: bool = True) -> dict:
     """A PPG-style auxiliary phase (Cobbe et al. 2021): the agent gets a head the loss does not use, with an Adam of
     its own (given to `run.start`), trained after every second iteration by two gradient steps on the rollout's
-    observations (a value-like target); the policy's Adam holds the rest. Returns {"aux_steps": how many it took}."""
+    observations (a value-like target); the policy's Adam holds the rest. --num-seeds K: the phase is wrapped by
+    `run.stacked` (`stacked`, as docs/modifying.md says), or not. Returns {"aux_steps": how many it took}."""
     real_film, real_start, box, Agent = module.Run.film, module.Run.start, {"aux_steps": 0}, module.Agent
 
     class WithAuxHead(Agent):
@@ -291,13 +292,18 @@ def auxiliary_phase(module, monkeypatch) -> dict:
     def aux_loss(agent, obs):
         return (agent.aux_head(obs).squeeze(-1) - obs[:, 0]).square().mean(), {}
 
+    def aux_phase(agent, rollout):  # returns nothing: the stacked call returns {} for it
+        for _ in range(2):
+            box["aux"].zero_grad()
+            box["aux"].backward(aux_loss, agent, rollout.obs[0])  # the first step's (REINFORCE's later ones: stale)
+            box["aux"].step()
+
     def film(self, rollout=None):  # (called after run.log in every iteration, with the rollout)
+        if box.get("run") is not self:  # made once in each run, as train() would before its loop
+            box["run"], box["phase"] = self, self.stacked(aux_phase) if stacked and self.k > 1 else aux_phase
         if self.progress.iteration % 2 == 0:  # every second iteration
-            for _ in range(2):
-                box["aux"].zero_grad()
-                box["aux"].backward(aux_loss, self.agent, rollout.obs.flatten(0, -2))
-                box["aux"].step()
-                box["aux_steps"] += 1
+            box["phase"](self.agent, rollout)
+            box["aux_steps"] += 2
         return real_film(self, rollout)
 
     monkeypatch.setattr(module, "Agent", WithAuxHead)
@@ -1048,13 +1054,13 @@ def test_a_started_early_test_runs_last_and_its_runs_end_with_the_session(tmp_pa
 # Many seeds -----------------------------------------------------------------------------------
 @pytest.mark.behaviour
 @pytest.mark.parametrize("name", SCRIPTS)
-@pytest.mark.parametrize("change", ["buffer", "env", "dropout", "continuous"])
+@pytest.mark.parametrize("change", ["buffer", "env", "dropout", "continuous", "auxiliary"])
 def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name, in_tmp, monkeypatch):
     """With --num-seeds 2, a buffer the loss reads and train() anneals, another env (in `make_envs`, where a copy
-    adds it), dropout, and continuous actions (a Gaussian policy on the continuous Pendulum) each stay each seed's own
-    in the stacked call, and two seeds stopped by SIGTERM and resumed train as the two straight through: the same
-    scalars and weights."""
-    from test_many_seeds import stacked_stopped_and_resumed
+    adds it), dropout, continuous actions (a Gaussian policy on the continuous Pendulum), and an auxiliary phase in
+    the loop (wrapped by run.stacked; before, a traceback) each stay each seed's own in the stacked call, and two
+    seeds stopped by SIGTERM and resumed train as the two straight through: the same scalars and weights."""
+    from test_many_seeds import folders, stacked_stopped_and_resumed
 
     module = import_script(name)
     if change == "buffer":
@@ -1067,6 +1073,8 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
         gaussian_actions(module, monkeypatch)
     if change == "dropout":
         monkeypatch.setattr(module, "Agent", with_dropout(module))
+    if change == "auxiliary":
+        box = auxiliary_phase(module, monkeypatch)
     whole, resumed, _ = stacked_stopped_and_resumed(module, small_args(module, num_seeds=2, eval_episodes=0), in_tmp,
                                                     monkeypatch)  # fmt: skip
     if change == "env":
@@ -1075,6 +1083,10 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
         assert not torch.equal(whole[0].actor_logstd, whole[1].actor_logstd)
     if change == "buffer":
         assert all(agent.ent_coef < 0.05 for agent in whole)  # annealed, each seed's own (compared in the helper)
+    if change == "auxiliary":  # each seed's head trained, its Adam stepped by the phase alone (resumed: its own count)
+        iterations = read_json(os.path.join(folders(in_tmp, "whole")[1][0], "summary.json"))["iterations"]
+        assert not torch.equal(whole[0].aux_head.weight, whole[1].aux_head.weight)
+        assert float(box["aux"].state["flat"]["step"]) == 2 * (iterations // 2)  # the last seed's
     assert not torch.equal(whole[0].actor[0].weight, whole[1].actor[0].weight)
 
 
@@ -1083,6 +1095,7 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
     ("backward", "--num-seeds: loss.backward() cannot run vmapped: take the gradient with optimizer.backward("),
     ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
     ("metric", "stats['charts/weight_sum'] has shape (); run.log takes one number per seed under --num-seeds 2"),
+    ("auxiliary", "--num-seeds: call optimizer.backward(...) in a function wrapped by run.stacked(...)"),
 ])  # fmt: skip
 def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, message, in_tmp, monkeypatch):
     """What the stacked call cannot give each seed its own of (the optimizer's step, a tensor the loss reads by
@@ -1099,6 +1112,8 @@ def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, m
                             real_update(*a))  # fmt: skip
     if change == "state":
         adaptive_penalty(module, monkeypatch)
+    if change == "auxiliary":  # the phase called on the stacked weights as they are, outside the stacked call
+        auxiliary_phase(module, monkeypatch, stacked=False)
     if change == "metric":  # a sum over the stacked weights (all seeds'), added in train() before run.log
         real_log = module.Run.log
         monkeypatch.setattr(module.Run, "log", lambda self, steps, stats, *a: real_log(
