@@ -114,9 +114,10 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
     except KeyboardInterrupt as e:  # a signal: stopped after an iteration (carrying its number), while compiling
         signum = e.args[0] if e.args else signal.SIGINT  # (its number and why), or a second Ctrl-C
         checkpoint = ", with a checkpoint" if len(e.args) == 1 else ""
-        if checkpoint and getattr(e, "resume", None):  # the folder `Run` stopped with a checkpoint: the command
+        if getattr(e, "resume", None):  # a folder with a checkpoint (stopped at once: the last periodic one's)
             launch = f"torchrun --nproc-per-node {dist.get_world_size()}" if dist.is_initialized() else "python"
-            checkpoint += f"; go on with: {launch} {sys.argv[0]} --resume {e.resume}"
+            go_on = "go on" if checkpoint else "go on from its last checkpoint"
+            checkpoint += f"; {go_on} with: {launch} {sys.argv[0]} --resume {e.resume}"
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM

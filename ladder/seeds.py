@@ -81,8 +81,8 @@ class Seeds:
             stopped = run.finish(status_k, whole, stopped, setup, evaluate, note if seed == 0 else lambda message: None)
         if self.k > 1 and self.rank == 0 and len(self.runs) == self.k and status not in ("refused", "interrupted"):
             write_aggregate(self.dir, [run.dir for run in self.runs], self.args, self.grid, final=True)
-        if at_end and self.runs and self.runs[0].checkpointed >= 0:
-            exc.resume = self.dir or self.runs[0].dir  # main's last line: the command that goes on
+        if isinstance(exc, KeyboardInterrupt) and self.runs and self.runs[0].checkpointed >= 0:  # (at once: an older)
+            exc.resume = self.dir or self.runs[0].dir  # main's last line: the command that goes on from it
         if self.stack:  # the objects train() returns: the last seed's own state
             self.stack.release()
 

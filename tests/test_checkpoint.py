@@ -94,6 +94,32 @@ def test_sigterm_leaves_a_checkpoint_and_exits_143(tmp_path):
     assert counters["iteration"] == summary["iterations"] > 0 and counters["global_step"] == summary["total_env_steps"]
 
 
+def test_a_second_ctrl_c_stops_at_once_and_says_how_to_go_on_from_the_last_checkpoint(in_tmp, monkeypatch):
+    """A Ctrl-C, then another amid the same iteration (4): the run stops at once, exit 130, and its last line is the
+    command that goes on from the checkpoint of iteration 3 (before: `interrupted by SIGINT` alone), which resumes."""
+    module = import_script("ppo_cartpole_gpu")
+    real_log = module.Run.log
+
+    def log(self, *args, **kwargs):
+        if self.progress.iteration == 3 and not self.args.resume:
+            self.signals.request(signal.SIGINT, None)  # the first Ctrl-C's handler
+            os.kill(os.getpid(), signal.SIGINT)  # the second: KeyboardInterrupt here, before the iteration is logged
+        return real_log(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.Run, "log", log)
+    flags = ["--num-envs", "32", "--total-timesteps", "4096", "--no-progress-bar", "--eval-episodes", "0"]
+    result = call_main("ppo_cartpole_gpu", *flags, "--checkpoint-interval", "1", cwd=in_tmp)
+    (folder,) = [os.path.relpath(path, in_tmp) for path in glob.glob(str(in_tmp / "runs" / "*"))]
+    command = f"python {os.path.join(ROOT, 'ppo_cartpole_gpu.py')} --resume {folder}"
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1] == f"interrupted by SIGINT; go on from its last checkpoint with: {command}"
+    summary = read_json(os.path.join(in_tmp, folder, "summary.json"))
+    assert summary["status"] == "interrupted" and summary["iterations"] == 3  # (4 was not logged)
+    result = call_main("ppo_cartpole_gpu", "--resume", folder, cwd=in_tmp)
+    steps = summary["total_env_steps"]
+    assert result.returncode == 0 and f"resumed {folder} at step {steps:,}" in result.stderr, result.stderr
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
     """The third checkpoint is killed half-written: checkpoint.pt is still the second, whole."""

@@ -277,10 +277,11 @@ def test_ladder_and_the_five_scripts_keep_their_budgets():
     scalars written at each checkpoint, a resume after a kill left a gap; a signal amid compile's imports, which ended
     in a traceback; a signal in one seed's final evaluation ends the next seeds' too), and 6 for steps of a copy's own
     under --num-seeds (the auxiliary phase: run.stacked of a function that returns nothing, and optimizer.backward on
-    the stacked weights refused in one line; before, a traceback): over the 1,600, said openly.
+    the stacked weights refused in one line; before, a traceback) and 1 for the command that goes on after a second
+    Ctrl-C (before, none): over the 1,600, said openly.
     docs/tests.md, "Line budgets", says what each holds and what would have to give for 1,600."""
     ladder_lines = sum(len(text(path).splitlines()) for path in LADDER)
-    assert ladder_lines <= 1600 + 174 + 14 + 4 + 6, f"ladder/ has {ladder_lines} lines"
+    assert ladder_lines <= 1600 + 174 + 14 + 4 + 7, f"ladder/ has {ladder_lines} lines"
     for name in ALL_SCRIPTS:
         lines, characters = len(text(script_path(name)).splitlines()), len(text(script_path(name)))
         assert lines <= 600 and characters <= 36_000, f"{name}.py: {lines} lines, {characters:,} characters"
