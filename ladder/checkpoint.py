@@ -1,7 +1,9 @@
 """checkpoint.pt written atomically and read back (--resume, --load-model), summary.json, loading in place."""
 
+import contextlib
 import json
 import os
+import pickle
 import textwrap
 from typing import Optional
 
@@ -13,8 +15,10 @@ from ladder.flags import UsageError
 def read_summary(folder: Optional[str]) -> Optional[dict]:
     if folder is None or not os.path.isfile(path := os.path.join(folder, "summary.json")):
         return None
-    with open(path) as f:
-        return json.load(f)
+    with open(path) as f, contextlib.suppress(ValueError):  # not JSON: cut short by a kill amid its writing, ...
+        if isinstance(summary := json.load(f), dict):
+            return summary
+    raise UsageError(f"{path} is not a run's summary (not a JSON object): move it away, or give another folder")
 
 
 def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
@@ -30,10 +34,12 @@ def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
     try:
         saved = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holding objects other than plain data
-        cause = textwrap.shorten(str(e).splitlines()[0].split(". ")[0], 80)  # torch's first sentence
+        said = str(e).strip() if isinstance(e, (RuntimeError, pickle.UnpicklingError)) else ""  # (an empty file: EOF)
+        cause = textwrap.shorten(said.splitlines()[0].split(". ")[0], 80) if said else "not a torch file"
         raise UsageError(f"{flag} {file} is not a readable checkpoint ({cause})") from None
-    if not isinstance(saved, dict) or saved.get("script", script) != script:
-        raise UsageError(f"{flag} {file} was written by {saved.get('script', 'something else')}, not {script}")
+    writer = saved.get("script", script) if isinstance(saved, dict) else f"something else (a {type(saved).__name__})"
+    if writer != script:
+        raise UsageError(f"{flag} {file} was written by {writer}, not {script}")
     if flag == "--resume" and "counters" not in saved:
         raise UsageError(f"--resume {file} holds weights only; evaluate them with --eval-only --load-model")
     return saved

@@ -38,7 +38,9 @@ def check_run_flags(args) -> torch.device:
         if getattr(args, flag) and importlib.util.find_spec((package := pin.split("==")[0]).replace("-", "_")) is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs {package}: pip install {pin}")
     if args.eval_only != bool(args.load_model) or (args.resume and args.eval_only):
-        raise UsageError("--eval-only and --load-model PATH go together (to train on from a checkpoint: --resume)")
+        raise UsageError("--eval-only and --load-model PATH go together, without --resume (which trains on)")
+    if args.eval_only and (args.eval_episodes < 1 or args.sweep):
+        raise UsageError("--eval-only plays --eval-episodes (at least 1) with one model's weights: no --sweep")
     if args.resume:  # one rule: the checkpoint's algorithm flags, all but the run's (`RunFlags`), are kept
         saved = read_checkpoint(args.resume, script_file(type(args)))
         algorithm = [name for name in type(args).__dataclass_fields__ if name not in RUN_FLAGS]
@@ -109,6 +111,10 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         sys.exit(f"error: {e}")  # its errno, its words and its file say it: no guess at a cause
     except FloatingPointError as e:
         sys.exit(f"error: {e}; lower --learning-rate or --max-grad-norm")
+    except RuntimeError as e:  # out of memory, on the GPU or the CPU: one line; any other error: its traceback
+        if not isinstance(e, torch.cuda.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        sys.exit(f"error: out of memory ({str(e).splitlines()[0][:160]}); lower --num-envs or --num-steps")
     except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
         sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
     except KeyboardInterrupt as e:  # a signal: stopped after an iteration (carrying its number), while compiling

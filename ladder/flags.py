@@ -77,14 +77,18 @@ def check_flags(args, rules: dict[str, tuple[bool, str]]) -> None:
 
 
 def with_flags(args, **changes):
-    """`dataclasses.replace(args, **changes)`; a rule of `Args.__post_init__` broken (its ValueError) or a float flag
-    that is not finite (a rule's "> 0" passes inf): a UsageError."""
+    """`dataclasses.replace(args, **changes)`; a rule of `Args.__post_init__` broken (its ValueError), a float flag
+    that is not finite (a rule's "> 0" passes inf), a seed EnvPool or JAX cannot take, a folder in the name: a
+    UsageError."""
     try:
         args = replace(args, **changes)
     except ValueError as e:
         raise UsageError(str(e)) from None
     floats = {f.name: getattr(args, f.name) for f in fields(args) if isinstance(getattr(args, f.name), float)}
-    check_flags(args, {name: (math.isfinite(value), "finite") for name, value in floats.items()})
+    rules = {name: (math.isfinite(value), "finite") for name, value in floats.items()}
+    rules["seed"] = (0 <= getattr(args, "seed", 0) <= 2_000_000_000, "in [0, 2,000,000,000] (EnvPool's seeds: int32)")
+    rules["exp_name"] = (not {"/", os.sep} & set(args.exp_name), "a name, not a path (no /)")
+    check_flags(args, rules)
     return args
 
 

@@ -26,8 +26,9 @@ class Outputs:
             this_run = dict(name=os.path.basename(dir), id=wandb_id, resume="allow", config=asdict(args))
             try:
                 self.wandb = wandb.init(reinit="create_new", **settings, **this_run)
-            except wandb.errors.Error as e:  # no login, no network: one line saying the way round
-                raise UsageError(f"--track: {e} (or WANDB_MODE=offline, synced later by `wandb sync`)") from None
+            except Exception as e:  # no login, no network, a bad WANDB_ setting: one line saying the way round
+                said = " ".join(str(e).split())  # (its words over several lines)
+                raise UsageError(f"--track: {said} (or WANDB_MODE=offline, synced later by `wandb sync`)") from None
             self.wandb.define_metric("*", step_metric="global_step")  # TensorBoard's x-axis
         if args.progress_bar and not args.eval_only and sys.stderr.isatty():  # a log file would fill with redraws
             end = None if args.target_return is None else f"until return {args.target_return:g}"  # or the ETA's end

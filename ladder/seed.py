@@ -65,8 +65,9 @@ class Seed:
             note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
         if self.rank == 0:  # (the folder made after W&B's login: a refused --track leaves none)
             wandb_id = saved and saved["wandb_id"]
-            self.outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
+            outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
             os.makedirs(self.dir, exist_ok=True)
+            self.outputs = outputs  # (once its folder is there: a run that has none ends with makedirs' own error)
         return obs
 
     def restore(self, saved: dict, obs, note):

@@ -35,7 +35,7 @@ class Seeds:
             raise UsageError(f"run.start is called once for each of {self.k} runs, in `for args in run.args_per_run:`")
         flags, script = self.flags[len(self.runs)], script_file(type(self.args))
         seed = Seed(len(self.runs), flags, script, self.progress, self.rank, self.world_size)
-        seed.says_result = not self.args.sweep  # a sweep's runs: its table says them
+        seed.says_result = len(self.grid) == 1  # a sweep's runs: its table says them
         self.runs.append(seed)
         say = note if seed.index == 0 else lambda message: None  # seeds 2 to K: the first seed's notes say it for all
         self.observations.append(seed.open(objects, per_rank, obs, total_steps, say))
@@ -91,15 +91,16 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
     """The aggregate folder and each run's flags: --num-seeds K, K runs per configuration of a --sweep `grid` (the
     first films, shows progress); --resume, --load-model from the aggregate's folders; one run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
-    if n == 1:  # (every run's flags go through with_flags: train()'s caller's too, not only the command line's)
+    dirs = (read_summary(args.resume or args.load_model) or {}).get("run_dirs")
+    if n == 1 and not dirs:  # (every run's flags go through with_flags: train()'s caller's too, not the CLI's alone)
         return None, [with_flags(args, sweep=(), **grid[0])]
+    flag, given = ("--resume", args.resume) if args.resume else ("--load-model", args.load_model)
+    if n == 1:  # an aggregate's runs, as one run: it would write over the aggregate's files
+        raise UsageError(f"{flag} {given} is the aggregate folder of {len(dirs)} runs: give --num-seeds {len(dirs)}")
     if world_size > 1:
         what = "--sweep runs its configurations" if args.sweep else "--num-seeds stacks the seeds"
         raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")
-    saved = read_summary(args.resume or args.load_model) or {}
-    dirs = saved.get("run_dirs")
     if (args.resume or dirs) and len(dirs or []) != n:
-        flag = "--resume" if args.resume else "--load-model"
         seeds = f"--num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-{first + k - 1}__..)"
         runs = f"this --sweep takes the aggregate folder of its {n} runs" if args.sweep else seeds
         raise UsageError(f"{flag} with {runs}, or --load-model one model for all")

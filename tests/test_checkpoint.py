@@ -183,6 +183,11 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)}
     (tmp_path / "corrupt.pt").write_bytes(open(os.path.join(folder, "checkpoint.pt"), "rb").read()[:500])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "text.pt").write_text("hello")
+    torch.save([1, 2], tmp_path / "list.pt")
+    os.makedirs(tmp_path / "bad")
+    (tmp_path / "bad" / "summary.json").write_text("{x")  # (a kill amid its writing)
     model = os.path.join(folder, "ppo_cartpole_gpu.cleanrl_model")
     older = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)  # as if by an older script version
     del older["agent"]["actor.0.bias"]
@@ -190,6 +195,10 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
     for script, flags, message in (
         ("ppo_cartpole_gpu", ["--resume", "runs/none"], "--resume runs/none: no such file or folder"),
         ("ppo_cartpole_gpu", ["--resume", "corrupt.pt"], "--resume corrupt.pt is not a readable checkpoint"),
+        ("ppo_cartpole_gpu", ["--resume", "empty.pt"], "--resume empty.pt is not a readable checkpoint (not a torch"),
+        ("ppo_cartpole_gpu", ["--resume", "text.pt"], "--resume text.pt is not a readable checkpoint (not a torch f"),
+        ("ppo_cartpole_gpu", ["--resume", "list.pt"], "list.pt was written by something else (a list), not ppo_c"),
+        ("ppo_cartpole_gpu", ["--resume", "bad"], "bad/summary.json is not a run's summary (not a JSON object)"),
         ("vpg", ["--resume", folder], "was written by ppo_cartpole_gpu.py, not vpg.py"),
         ("ppo_cartpole_gpu", ["--resume", folder, "--gamma", "0.9"],
          "--gamma must be the checkpoint's 0.99 (--resume may change only --total-timesteps, --target-return, "),

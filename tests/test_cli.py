@@ -110,6 +110,9 @@ COMMON_BAD_FLAGS = [
     (["--learning-rate", "inf"], "--learning-rate must be finite, got inf"),  # a rule's "> 0" passes it: ladder's
     (["--device", "tpu7"], "--device"),
     (["--video-interval", "-1"], "--video-interval must be >= 0"),
+    (["--seed", "99999999999999999999999"], "--seed must be in [0, 2,000,000,000]"),  # (was: torch's traceback)
+    (["--exp-name", "a/b", "--save-model"], "--exp-name must be a name, not a path (no /), got a/b"),  # (traceback)
+    (["--eval-only", "--load-model", "m.pt", "--eval-episodes", "0"], "--eval-only plays --eval-episodes (at least 1)"),
 ]
 SCRIPT_BAD_FLAGS = [
     (
@@ -293,6 +296,31 @@ def test_a_folder_the_run_cannot_write_ends_in_one_line(tmp_path):
     (tmp_path / "runs").write_text("not a folder")
     result = call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path)
     assert_one_failure_line(result, "error: [Errno 20] Not a directory: 'runs/CartPole-v1__ppo_cartpole_gpu__1__")
+
+
+@pytest.mark.quick
+def test_a_read_only_folder_is_the_error_said(tmp_path, monkeypatch):
+    """A folder that refuses the run's folder (read-only, as a user's is): the line names that refusal. Before, the
+    summary.json written at the end into the folder never made hid it: `[Errno 2] No such file or directory`."""
+    real_makedirs = os.makedirs
+
+    def makedirs(path, *args, **kwargs):  # (as root, chmod 555 refuses nothing)
+        if str(path).startswith("runs"):
+            raise PermissionError(13, "Permission denied", "runs")
+        return real_makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    result = call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path)
+    assert_one_failure_line(result, "error: [Errno 13] Permission denied: 'runs'")
+
+
+def test_out_of_memory_ends_in_one_line(tmp_path, monkeypatch):
+    """The envs or the rollout too large for the memory (CPU or GPU): one line, not torch's traceback."""
+    module = import_script("ppo_cartpole_gpu")
+    message = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to"
+    monkeypatch.setattr(module, "make_envs", lambda *args: (_ for _ in ()).throw(RuntimeError(message)))
+    result = call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path)
+    assert_one_failure_line(result, "error: out of memory ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAll")
 
 
 def test_track_without_a_wandb_login_ends_in_one_line(tmp_path):

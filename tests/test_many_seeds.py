@@ -239,6 +239,19 @@ def test_a_single_seed_folder_is_not_resumed_as_k_seeds(in_tmp):
     assert_one_error_line(result, "--resume with --num-seeds 2 takes the aggregate folder of 2 seeds")
 
 
+def test_an_aggregate_folder_is_not_resumed_as_one_run(in_tmp):
+    """`--resume <aggregate> --num-seeds 1` is refused, the aggregate left as it was. Before, seed 1's checkpoint
+    trained on into the aggregate folder, whose summary.json (its runs' list) it wrote over."""
+    P = import_script("ppo_cartpole_gpu")
+    train_seeds(P, small_args(P, num_seeds=2, exp_name="two"))
+    group, _ = folders(in_tmp, "two")
+    before = {f: os.path.getmtime(os.path.join(group, f)) for f in os.listdir(group)}
+    result = call_main("ppo_cartpole_gpu", "--resume", group, "--num-seeds", "1", "--total-timesteps", "9999",
+                       cwd=in_tmp)  # fmt: skip
+    assert_one_error_line(result, f"--resume {group} is the aggregate folder of 2 runs: give --num-seeds 2")
+    assert {f: os.path.getmtime(os.path.join(group, f)) for f in os.listdir(group)} == before
+
+
 def test_a_folder_with_a_summary_but_no_checkpoint_is_refused_in_one_line(in_tmp):
     """An --eval-only run's folder has a summary.json, no checkpoint: not an aggregate of seeds, nothing to resume."""
     os.makedirs(folder := str(in_tmp / "runs" / "evaluated"))

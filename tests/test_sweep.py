@@ -80,6 +80,14 @@ def test_the_grid_is_every_combination_in_order_and_each_run_its_own_flags():
     assert seeds_flags(one, sweep_grid(one), world_size=1)[1][0].learning_rate == 1e-3
 
 
+def test_a_sweep_of_one_value_is_a_plain_run_with_its_result_line(in_tmp):
+    """One configuration and one seed: a plain run, which says its result. Before, nothing was printed (a sweep's
+    runs leave it to the ranking, which one run does not have)."""
+    result = call_main("ppo_cartpole_gpu", "--sweep", "gamma=0.9", "--num-envs", "32", "--total-timesteps", "2048",
+                       "--eval-episodes", "0", "--no-progress-bar", cwd=in_tmp)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.startswith("completed: total_env_steps 2,048"), result.stdout
+
+
 def test_atari_refuses_a_sweep_in_one_line(tmp_path):
     result = run_script("ppo_atari_envpool", "--sweep", "learning-rate=1e-4,3e-4", cwd=tmp_path, timeout=120)
     assert_one_error_line(result, "--sweep must be left out: EnvPool runs one configuration per process")
