@@ -105,7 +105,7 @@ def table(rows: list[dict]) -> str:
         f"{'rank':>4}  {'configuration':<40} {'eval IQM':>9}  {'95% CI':<15} {'solved':>6}  {'steps to solve':>14}"
     ]
     for i, row in enumerate(rows, 1):
-        ci = "" if row["eval_iqm"] is None else f"{row['ci95_low']:.1f}-{row['ci95_high']:.1f}"
+        ci = "" if row["eval_iqm"] is None else f"{row['ci95_low']:.1f}–{row['ci95_high']:.1f}"
         iqm = "-" if row["eval_iqm"] is None else f"{row['eval_iqm']:.1f}"
         steps = "-" if row["solved_at_step_median"] is None else f"{row['solved_at_step_median']:,.0f}"
         lines.append(f"{i:>4}  {row['config']:<40} {iqm:>9}  {ci:<15} {row['solved']:>6.0%}  {steps:>14}")

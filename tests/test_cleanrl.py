@@ -41,7 +41,6 @@ SHORT = ["--num-envs", "32", "--num-steps", "16", "--total-timesteps", "1024", "
 SHORT += ["--no-progress-bar", "--target-return", "None"]
 
 
-@pytest.mark.behaviour
 def test_cleanrls_update_with_ladders_adam_trains_as_the_script_compiled_and_resumed(in_tmp, monkeypatch):
     """`loss.backward()` fills the `.grad` that ladder's Adam steps on, eager (as the script's optimizer.backward, to
     float rounding), compiled (within the compiled-vs-eager tolerance) and stopped-then-resumed (bit for bit). The
@@ -63,7 +62,6 @@ def test_cleanrls_update_with_ladders_adam_trains_as_the_script_compiled_and_res
     assert_same_training(eager, compiled, resumed)
 
 
-@pytest.mark.behaviour
 def test_cleanrls_update_with_ladders_adam_replays_as_a_cuda_graph(in_tmp, monkeypatch, capsys):
     """The CUDA graph's CPU emulation records CleanRL's update and replays it: the loop's weights, bit for bit."""
     copy = recipe_copy(SCRIPT, str(in_tmp), CLEANRL_UPDATE, "cleanrl")
@@ -75,7 +73,6 @@ def test_cleanrls_update_with_ladders_adam_replays_as_a_cuda_graph(in_tmp, monke
     assert_alike(replayed, plain, "replayed")
 
 
-@pytest.mark.behaviour
 def test_cleanrls_update_under_num_seeds_stops_in_one_line_naming_optimizer_backward(in_tmp, monkeypatch):
     """vmap cannot run `loss.backward()`: the run stops at the first iteration in one line that says what to write."""
     copy = recipe_copy(SCRIPT, str(in_tmp), CLEANRL_UPDATE, "cleanrl")
@@ -83,7 +80,6 @@ def test_cleanrls_update_under_num_seeds_stops_in_one_line_naming_optimizer_back
     assert_one_error_line(result, "loss.backward() cannot run vmapped: take the gradient with optimizer.backward(")
 
 
-@pytest.mark.behaviour
 def test_a_torch_optimizer_with_cleanrls_update_trains_eager_and_is_refused_in_one_line_elsewhere(in_tmp, monkeypatch):
     """torch.optim's SGD with momentum, its rate a tensor that --anneal-lr sets in place: eager it trains (the weights
     move, the losses are finite); --compile stops at its first iteration (torch's zero_grad is one dynamo will not
@@ -132,7 +128,6 @@ def test_an_optimizer_written_on_ladders_flat_vector_steps_as_torchs(name, tmp_p
     assert_alike(agent, twin, f"{name} against torch.optim's", atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.behaviour
 def test_rmsprop_on_ladders_flat_vector_trains_alike_compiled_resumed_and_stacked(in_tmp, monkeypatch):
     """The RMSprop recipe in every mode: a step of two stacked seeds is each seed's step alone, two stacked seeds
     stopped and resumed equal one run (its squares' average in the checkpoint and in the stack), and compiled trains

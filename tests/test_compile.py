@@ -15,7 +15,16 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import guard_failures
 
-from conftest import SCRIPTS, assert_close, assert_same_agents, compiled_as_in_a_run, import_script, origin, read_json
+from conftest import (
+    SCRIPTS,
+    assert_close,
+    assert_same_agents,
+    compiled_as_in_a_run,
+    import_script,
+    origin,
+    read_json,
+    retarget,
+)
 from ladder.optim import Adam
 from test_optim import fixed_batch, torch_step
 
@@ -64,13 +73,14 @@ def test_compiled_training_matches_eager(name, in_tmp):
 
 
 @pytest.mark.behaviour
-def test_target_kl_stops_the_compiled_epochs_where_eager_ones_stop(in_tmp):
+@pytest.mark.parametrize("script", retarget(["ppo_cartpole_gpu"]))
+def test_target_kl_stops_the_compiled_epochs_where_eager_ones_stop(script, in_tmp):
     """--target-kl reads the KL between epochs, outside the compiled epoch (issue 66): at a target of 1e-9 every
     update stops after its first epoch, compiled as eager (else the weights part), with no graph compiled again."""
     torch._dynamo.reset()
-    eager = trained("ppo_cartpole_gpu", in_tmp, target_kl=1e-9)
+    eager = trained(script, in_tmp, target_kl=1e-9)
     before = graph_count()
-    compiled = trained("ppo_cartpole_gpu", in_tmp, target_kl=1e-9, compile=True)
+    compiled = trained(script, in_tmp, target_kl=1e-9, compile=True)
     assert graph_count() - before == 3 and recompilations() == "no recompilation", recompilations()
     assert_same_agents(compiled, eager, "compiled", atol=2e-4, rtol=1e-3)
     all_epochs = trained("ppo_cartpole_gpu", in_tmp)  # the check can fail: without the stop the weights differ

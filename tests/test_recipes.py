@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import COPY, ROOT, read_json, run_dir, small_args, stopped_and_resumed
+from conftest import ROOT, read_json, run_dir, small_args, stopped_and_resumed
 from recipes import ALL_THREE, RECIPES, RUNNING_MEAN_STD, recipe_copy, recipe_diff
 from test_modifications import assert_same_training, three_ways
 
@@ -52,7 +52,6 @@ def test_each_recipe_trains_and_resumes_exactly(recipe, tmp_path, monkeypatch):
     assert len(summary["eval_returns"]) == 2  # the evaluation plays through the recipe (normalised observations)
 
 
-@pytest.mark.behaviour
 def test_the_three_recipes_train_alike_compiled_resumed_and_stacked(tmp_path, monkeypatch):
     """The three recipes in one copy: --compile within float tolerance of eager, its statistics counted as eager counts
     them (before, compiled, each 0-dim float64 count stayed at 1e-4 and the statistics were the last rollout's: the
@@ -60,8 +59,6 @@ def test_the_three_recipes_train_alike_compiled_resumed_and_stacked(tmp_path, mo
     as one run; two stacked seeds, each with its own statistics, stopped and resumed as the two straight through."""
     from test_many_seeds import stacked_stopped_and_resumed
 
-    if COPY:
-        pytest.skip("the recipes are edits of ppo_cartpole_gpu.py's lines, not of a copy's")
     monkeypatch.chdir(tmp_path)
     module = recipe_copy(SCRIPT, str(tmp_path), ALL_THREE, "recipes")
     with pytest.MonkeyPatch.context() as patch:  # (its SIGTERM undone after)

@@ -17,6 +17,7 @@ from conftest import (
     call_main,
     import_script,
     read_json,
+    retarget,
     run_script,
     scalars,
     small_args,
@@ -147,7 +148,7 @@ def test_each_configuration_learns_in_the_stacked_call_as_alone(script, tmp_path
 
 
 @pytest.mark.behaviour
-@pytest.mark.parametrize("script", ["ppo_cartpole_gpu", "vpg"])
+@pytest.mark.parametrize("script", retarget(["ppo_cartpole_gpu", "vpg"]))
 def test_a_sweep_is_a_run_per_configuration_and_seed_ranked_in_its_aggregate(script, in_tmp, capsys):
     """Two learning rates x two discounts x two seeds: eight run folders, each with its flags in summary.json and its
     own annealed rate; the aggregate ranks the four configurations by their seeds' evaluation IQM (CSV, JSON, PNG,
