@@ -337,8 +337,8 @@ def train(args: Args, envs=None) -> Agent:
         for args in run.args_per_run:  # set up each run; then the last one's objects hold all K (--num-seeds, --sweep)
             torch.manual_seed(args.seed + rank)  # under torchrun each rank samples its own actions
             envs = make_envs(args, device, given_envs, args.seed + rank)
-            if args.num_steps < envs.max_episode_steps:  # a rollout must hold a whole episode
-                raise UsageError(f"--num-steps {args.num_steps} is below the episode limit {envs.max_episode_steps}")
+            if args.num_steps < (limit := envs.max_episode_steps):  # a rollout must hold a whole episode
+                raise UsageError(f"--num-steps must be at least the episode limit {limit}, got {args.num_steps}")
             agent = Agent(envs.obs_dim, envs.num_actions).to(device)
             optimizer = Adam(agent, lr=args.learning_rate, eps=1e-5)
             for group in optimizer.param_groups:  # --anneal-lr's start: each group's (each --sweep run's) rate

@@ -38,6 +38,9 @@ def sweep_grid(args) -> list[dict]:
             axes[name] = [float(value) for value in values.split(",")]
         except ValueError as e:
             raise UsageError(f"--sweep {flag}: {str(e).split(': ')[-1]} is not a number") from None
+        if getattr(args, name) != next(f.default for f in fields(args) if f.name == name):  # the sweep would drop it
+            given = f"--{name.replace('_', '-')} {getattr(args, name)}"
+            raise UsageError(f"--sweep {flag}: {given} is given too; the sweep sets it (leave one out)")
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 

@@ -124,7 +124,7 @@ SCRIPT_BAD_FLAGS = [
     ("ppo_cartpole_gpu", ["--clip-coef", "0"], "--clip-coef must be > 0"),
     ("vpg", ["--rollout-use-count", "0"], "--rollout-use-count must be positive"),
     ("vpg", ["--clip-coef", "1.5"], "--clip-coef must be in (0, 1)"),
-    ("reinforce", ["--num-steps", "100"], "--num-steps 100 is below the episode limit 500"),
+    ("reinforce", ["--num-steps", "100"], "--num-steps must be at least the episode limit 500, got 100"),
 ]
 
 

@@ -132,5 +132,5 @@ def test_trained_and_logged_episodes_are_unbiased(in_tmp, monkeypatch):
 
 
 def test_num_steps_below_the_episode_limit_is_refused():
-    with pytest.raises(R.UsageError, match="--num-steps 100 is below the episode limit 500"):
+    with pytest.raises(R.UsageError, match="--num-steps must be at least the episode limit 500, got 100"):
         R.train(R.Args(num_steps=100, progress_bar=False, device="cpu"))

@@ -61,6 +61,15 @@ def test_a_bad_sweep_is_refused_in_one_line_before_anything_is_written(flags, me
 
 
 @pytest.mark.quick
+def test_a_swept_flag_given_too_is_refused_in_one_line(in_tmp):
+    """`--gamma 0.5 --sweep gamma=0.9,0.99`: before, the sweep set gamma and the 0.5 was dropped without a word."""
+    result = call_main("ppo_cartpole_gpu", "--gamma", "0.5", "--sweep", "gamma=0.9,0.99", "--no-progress-bar",
+                       cwd=in_tmp)  # fmt: skip
+    assert_one_error_line(result, "--sweep gamma: --gamma 0.5 is given too; the sweep sets it (leave one out)")
+    assert not os.path.exists(in_tmp / "runs")
+
+
+@pytest.mark.quick
 def test_the_grid_is_every_combination_in_order_and_each_run_its_own_flags():
     P = import_script("ppo_cartpole_gpu")
     args = P.Args(sweep=("learning-rate=1e-3,1e-2", "--ent-coef=0,0.01"), num_seeds=2, seed=5, device="cpu")
