@@ -565,7 +565,7 @@ def film(envs: BraxVecEnv, states: list, path: str) -> None:
         print(f"note: no offscreen renderer for the MP4 ({type(e).__name__}; try MUJOCO_GL=egl)", file=sys.stderr)
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with imageio.get_writer(path, fps=round(1 / envs.env.dt), macro_block_size=2) as writer:  # even sides (H.264)
+    with imageio.get_writer(path, fps=round(1 / float(envs.env.dt)), macro_block_size=2) as writer:  # even sides: H.264
         for frame in frames:
             writer.append_data(frame)
 

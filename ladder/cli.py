@@ -60,6 +60,8 @@ def parse_args(Args):
     resume = [v for f, v in zip(argv, argv[1:]) if f == "--resume"] + [f[9:] for f in argv if f.startswith("--resume=")]
     if resume and resume[-1] != "None":
         saved = read_checkpoint(resume[-1], script_file(Args))["args"]
+        if any(f == "--sweep" or f.startswith("--sweep=") for f in argv):  # given again: tyro would add it to the saved
+            saved = saved | {"sweep": ()}
         default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
     try:
         with contextlib.redirect_stderr(box := io.StringIO()):

@@ -77,7 +77,7 @@ class Seed:
         if (reached or c["global_step"] >= self.total_steps) and self.progress.k == 1:
             more = "pass --target-return None, or a higher one" if reached else "raise --total-timesteps"
             raise UsageError(f"--resume {self.args.resume}: the run has ended; to train on, {more}")
-        self.progress.restore(self.index, saved["counters"], saved["recent_returns"])
+        self.progress.restore(self.index, c | {"target_reached": reached}, saved["recent_returns"])  # (another: on)
         self.checkpointed, mine = saved["counters"]["iteration"], saved["ranks"][self.rank]
         torch.set_rng_state(mine["rng"])
         device = next(self.objects["agent"].parameters()).device
@@ -149,7 +149,7 @@ class Seed:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler)
         with contextlib.suppress(KeyboardInterrupt):
-            if not (reuse := bool(self.progress.target_reached[self.index]) and video is None):
+            if not (reuse := self.eval_returns is not None and self.progress.target_reached[self.index] and not video):
                 note(f"evaluating the policy on {self.args.eval_episodes} episode{'s' * (self.args.eval_episodes > 1)}")
             returns = self.eval_returns if reuse else self.play(evaluate, video)
             summary["eval_returns"], summary["eval_mean_return"] = returns, float(np.mean(returns))

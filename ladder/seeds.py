@@ -91,21 +91,24 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
     """The aggregate folder and each run's flags: --num-seeds K, K runs per configuration of a --sweep `grid` (the
     first films, shows progress); --resume, --load-model from the aggregate's folders; one run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
-    dirs = (read_summary(args.resume or args.load_model) or {}).get("run_dirs")
-    if n == 1 and not dirs:  # (every run's flags go through with_flags: train()'s caller's too, not the CLI's alone)
+    saved = read_summary(args.resume or args.load_model) or {}
+    dirs, flag = saved.get("run_dirs"), "--resume" if args.resume else "--load-model"
+    if n == 1 and dirs and args.resume:  # an aggregate's runs, as one run: it would write over the aggregate's files
+        raise UsageError(f"--resume {args.resume}: the aggregate of {len(dirs)} runs, give --num-seeds {len(dirs)}")
+    if n == 1:  # (every run's flags go through with_flags: train()'s caller's too, not the CLI's alone)
         return None, [with_flags(args, sweep=(), **grid[0])]
-    flag, given = ("--resume", args.resume) if args.resume else ("--load-model", args.load_model)
-    if n == 1:  # an aggregate's runs, as one run: it would write over the aggregate's files
-        raise UsageError(f"{flag} {given} is the aggregate folder of {len(dirs)} runs: give --num-seeds {len(dirs)}")
+    if args.load_model and dirs and saved["args"]["sweep"]:  # its runs are configurations, not seeds of one
+        raise UsageError(f"--load-model {args.load_model}: a --sweep's aggregate; evaluate one of its run folders")
     if world_size > 1:
         what = "--sweep runs its configurations" if args.sweep else "--num-seeds stacks the seeds"
         raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")
     if (args.resume or dirs) and len(dirs or []) != n:
         seeds = f"--num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-{first + k - 1}__..)"
         runs = f"this --sweep takes the aggregate folder of its {n} runs" if args.sweep else seeds
-        raise UsageError(f"{flag} with {runs}, or --load-model one model for all")
+        raise UsageError(f"{flag} with {runs}" + (", or --load-model one model for all" if args.load_model else ""))
     if args.resume and all(finished(d, args) for d in dirs):  # as a seed's resume says for one seed
-        raise UsageError(f"--resume {args.resume}: each seed has ended; raise --total-timesteps or --target-return")
+        more = "raise --total-timesteps, or pass --target-return None (or a higher one)"
+        raise UsageError(f"--resume {args.resume}: each seed has ended; to train on, {more}")
     sweep = f"{len(grid)}-configurations__" if args.sweep else ""
     folder = args.resume or new_folder(f"{args.env_id}__{args.exp_name}__{sweep}{first}-{first + k - 1}")
     group = args.wandb_group or os.path.basename(os.path.normpath(folder))  # --track: a W&B run per seed, one group

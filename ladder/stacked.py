@@ -202,7 +202,7 @@ def refusing(call, swept: list[str], *args):
         vmapped = any(word in str(e) for word in ("vmap", "functorch", "batched"))
         if not vmapped or isinstance(e, torch._dynamo.exc.TorchDynamoException):
             raise
-        where, cause = your_line(traceback.extract_tb(e.__traceback__)), str(e).splitlines()[0][:160]
+        where, cause = your_line(traceback.extract_tb(e.__traceback__)), str(e).splitlines()[0].split(". ")[0][:160]
         if "backward() called inside a functorch transform" in cause:  # CleanRL's update
             cause = "loss.backward() cannot run vmapped: take the gradient with optimizer.backward(loss_fn, agent, ...)"
         if swept and ("data-dependent control flow" in cause or ".item()" in cause):

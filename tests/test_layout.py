@@ -281,10 +281,11 @@ def test_ladder_and_the_five_scripts_keep_their_budgets():
     Ctrl-C (before, none), and 19 for setup failures a user's trial found ending in tracebacks or in the wrong words
     (a seed out of range, a checkpoint or summary.json that is not one, out of memory, a read-only folder, a W&B
     setting, a path as --exp-name) or doing silently wrong (an aggregate resumed as one run; a swept flag also given,
-    dropped): over the 1,600, said openly.
+    dropped), and 5 from a trial of the modes combined (a seed's reached target resumed, a sweep typed again at
+    --resume, a sweep's aggregate evaluated as seeds): over the 1,600, said openly.
     docs/tests.md, "Line budgets", says what each holds and what would have to give for 1,600."""
     ladder_lines = sum(len(text(path).splitlines()) for path in LADDER)
-    assert ladder_lines <= 1600 + 174 + 14 + 4 + 7 + 22, f"ladder/ has {ladder_lines} lines"
+    assert ladder_lines <= 1600 + 174 + 14 + 4 + 7 + 22 + 5, f"ladder/ has {ladder_lines} lines"
     for name in ALL_SCRIPTS:
         lines, characters = len(text(script_path(name)).splitlines()), len(text(script_path(name)))
         assert lines <= 600 and characters <= 36_000, f"{name}.py: {lines} lines, {characters:,} characters"

@@ -213,7 +213,7 @@ def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp
     train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
     assert [run.settings["id"] for run in runs[2:]] == [run.id for run in runs[:2]]
     assert [run.settings["group"] for run in runs[2:]] == [os.path.basename(group)] * 2
-    with pytest.raises(UsageError, match="each seed has ended; raise --total-timesteps"):  # as one run's --resume
+    with pytest.raises(UsageError, match="each seed has ended; to train on, raise --total-timesteps"):
         train_seeds(P, replace(args, resume=group, total_timesteps=2 * args.total_timesteps))
 
 
@@ -228,6 +228,51 @@ def test_what_cannot_be_stacked_is_refused_in_one_line(script, flags, message, i
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert message in line, line
+
+
+def test_a_resumed_seed_that_had_reached_the_target_is_evaluated_again_at_the_end(in_tmp, monkeypatch):
+    """Seeds stopped when one had reached --target-return: resumed by the command the stop printed, the other trains
+    on and that one is evaluated again at the end (its confirming returns are not in its checkpoint). Before: a
+    TypeError in its final evaluation, which reused returns it did not have, and no aggregate."""
+    P = import_script("ppo_cartpole_gpu")
+    stop_with_sigterm_at(P, monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(P, small_args(P, num_seeds=2, exp_name="cut", target_return=1000.0, eval_episodes=2))
+    monkeypatch.undo()
+    group, dirs = folders(in_tmp, "cut")
+    saved = torch.load(path := os.path.join(dirs[1], "checkpoint.pt"), weights_only=True)
+    saved["counters"]["target_reached"] = True  # as if seed 2 had reached the target, confirmed, before the stop
+    torch.save(saved, path)
+    result = call_main("ppo_cartpole_gpu", "--resume", group, "--no-progress-bar", cwd=in_tmp)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    summaries = [read_json(os.path.join(d, "summary.json")) for d in dirs]
+    assert [s["status"] for s in summaries] == ["completed", "target return reached"]
+    assert [len(s["eval_returns"]) for s in summaries] == [2, 2] and "2 seeds: " in result.stdout
+
+
+def test_a_run_that_reached_its_target_resumed_without_one_trains_on(in_tmp):
+    """The refusal of a finished run says `pass --target-return None, or a higher one`: so resumed, it trains on to
+    --total-timesteps. Before, the target it had reached still stopped it after one iteration, and its final
+    evaluation raised a TypeError (and K seeds' checkpoints were left at different iterations)."""
+    flags = ["--num-envs", "32", "--total-timesteps", "40960", "--eval-episodes", "2", "--no-progress-bar"]
+    first = call_main("ppo_cartpole_gpu", *flags, "--target-return", "20", "--exp-name", "low", cwd=in_tmp)
+    (folder,) = glob.glob(str(in_tmp / "runs" / "*__low__*"))
+    assert read_json(os.path.join(folder, "summary.json"))["status"] == "target return reached", first.stdout
+    result = call_main("ppo_cartpole_gpu", "--resume", folder, "--target-return", "None", cwd=in_tmp)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    summary = read_json(os.path.join(folder, "summary.json"))
+    assert summary["status"] == "completed" and summary["total_env_steps"] == 40960, summary
+    assert len(summary["eval_returns"]) == 2
+
+
+def test_a_sweeps_aggregate_is_not_evaluated_as_seeds(in_tmp):
+    """`--eval-only --load-model <a sweep's aggregate> --num-seeds 4`: refused in one line. Before, its four runs (two
+    configurations) were evaluated as four seeds of one, their values gone from the names, and one IQM pooled."""
+    P = import_script("ppo_cartpole_gpu")
+    train_seeds(P, small_args(P, sweep=("gamma=0.9,0.99",), num_seeds=2, exp_name="grid", eval_episodes=0))
+    (group,) = glob.glob(str(in_tmp / "runs" / "*__grid__*-configurations__*"))
+    result = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", group, "--num-seeds", "4", cwd=in_tmp)
+    assert_one_error_line(result, f"--load-model {group}: a --sweep's aggregate; evaluate one of its run folders")
 
 
 def test_a_single_seed_folder_is_not_resumed_as_k_seeds(in_tmp):
@@ -248,7 +293,7 @@ def test_an_aggregate_folder_is_not_resumed_as_one_run(in_tmp):
     before = {f: os.path.getmtime(os.path.join(group, f)) for f in os.listdir(group)}
     result = call_main("ppo_cartpole_gpu", "--resume", group, "--num-seeds", "1", "--total-timesteps", "9999",
                        cwd=in_tmp)  # fmt: skip
-    assert_one_error_line(result, f"--resume {group} is the aggregate folder of 2 runs: give --num-seeds 2")
+    assert_one_error_line(result, f"--resume {group}: the aggregate of 2 runs, give --num-seeds 2")
     assert {f: os.path.getmtime(os.path.join(group, f)) for f in os.listdir(group)} == before
 
 

@@ -210,8 +210,9 @@ def test_reinforce_and_brax_sweep_as_their_seeds_stack(script, in_tmp):
 
 
 def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_through(in_tmp, monkeypatch):
-    """SIGTERM after iteration 3, then `--resume <aggregate>` with no other flag (the sweep and its flags come from
-    the folder): every run's scalars and weights are those of the sweep trained straight through, bit for bit."""
+    """SIGTERM after iteration 3, then `--resume <aggregate>` with its `--sweep` typed again (the flags come from the
+    folder; before, tyro added the sweep given to the folder's, and the same grid was refused): every run's scalars
+    and weights are those of the sweep trained straight through, bit for bit. Another grid is refused, naming it."""
     P = import_script("ppo_cartpole_gpu")
     args = small_args(P, sweep=("learning-rate=1e-3,1e-2", "clip-coef=0.1,0.3"), eval_episodes=0)
     whole = train_seeds(P, replace(args, exp_name="whole"))
@@ -222,7 +223,8 @@ def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_t
     group, dirs = aggregate_folder(in_tmp, "cut")
     assert {read_json(os.path.join(d, "summary.json"))["status"] for d in dirs} == {"interrupted"}
     assert not os.path.exists(os.path.join(group, "ranking.json"))  # no ranking of runs not ended (there was one)
-    resumed = call_main("ppo_cartpole_gpu", "--resume", group, "--no-progress-bar", cwd=in_tmp)
+    again = ["--sweep", "learning-rate=1e-3,1e-2", "--sweep", "clip-coef=0.1,0.3"]
+    resumed = call_main("ppo_cartpole_gpu", "--resume", group, *again, "--no-progress-bar", cwd=in_tmp)
     assert resumed.returncode == 0, resumed.stderr
     for k, d in enumerate(aggregate_folder(in_tmp, "whole")[1]):
         assert scalars(dirs[k]) == scalars(d), f"run {k + 1}"
@@ -231,6 +233,7 @@ def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_t
             assert torch.equal(a, b), f"run {k + 1}: {name}"
     other = call_main("ppo_cartpole_gpu", "--resume", group, "--sweep", "learning-rate=1e-3", cwd=in_tmp)
     assert_one_error_line(other, "--sweep must be the checkpoint's ('learning-rate=1e-3,1e-2', 'clip-coef=0.1,0.3')")
+    assert other.stderr.strip().endswith("got ('learning-rate=1e-3',)"), other.stderr
 
 
 def test_a_compiled_sweep_trains_as_the_eager_one(in_tmp):
