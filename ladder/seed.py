@@ -133,14 +133,19 @@ class Seed:
             s["model_path"] = os.path.join(self.dir, f"{self.args.exp_name}.cleanrl_model")
             with self.own():
                 torch.save(self.objects["agent"].state_dict(), s["model_path"])
-        if self.args.eval_episodes and status in ("completed", "target return reached", "evaluated") and not stopped:
-            stopped = self.final_evaluation(s, evaluate, note)
-        with open(os.path.join(self.dir, "summary.json"), "w") as f:
-            json.dump(s | {"args": asdict(self.args)}, f, indent=2)
-        self.outputs.close(s["eval_mean_return"], self.progress.global_step)
-        if status != "refused" and self.says_result:  # (an error: its traceback follows)
-            label = "stopped by the error below" if status == "error" else status
-            print(f"{label}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
+        try:
+            if self.args.eval_episodes and status in ("completed", "target return reached", "evaluated"):
+                stopped = stopped or self.final_evaluation(s, evaluate, note)
+        except Exception:  # an error in the evaluation (a copy's, a video's): the run's outputs, then its traceback
+            s["status"] = status = "error"
+            raise
+        finally:
+            with open(os.path.join(self.dir, "summary.json"), "w") as f:
+                json.dump(s | {"args": asdict(self.args)}, f, indent=2)
+            self.outputs.close(s["eval_mean_return"], self.progress.global_step)
+            if status != "refused" and self.says_result:  # (an error: its traceback follows)
+                label = "stopped by the error below" if status == "error" else status
+                print(f"{label}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
         return stopped  # (a signal that ends one seed's final evaluation ends the next seeds' too)
 
     def final_evaluation(self, summary: dict, evaluate, note) -> bool:

@@ -91,7 +91,9 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
     """The aggregate folder and each run's flags: --num-seeds K, K runs per configuration of a --sweep `grid` (the
     first films, shows progress); --resume, --load-model from the aggregate's folders; one run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
-    saved = read_summary(args.resume or args.load_model) or {}
+    # a run folder (its checkpoint.pt) is read no further: under torchrun rank 0 may still be writing its summary.json
+    aggregate = n > 1 or args.resume and not os.path.isfile(os.path.join(args.resume, "checkpoint.pt"))
+    saved = (aggregate and read_summary(args.resume or args.load_model)) or {}
     dirs, flag = saved.get("run_dirs"), "--resume" if args.resume else "--load-model"
     if n == 1 and dirs and args.resume:  # an aggregate's runs, as one run: it would write over the aggregate's files
         raise UsageError(f"--resume {args.resume}: the aggregate of {len(dirs)} runs, give --num-seeds {len(dirs)}")
