@@ -318,7 +318,11 @@ def test_out_of_memory_ends_in_one_line(tmp_path, monkeypatch):
     """The envs or the rollout too large for the memory (CPU or GPU): one line, not torch's traceback."""
     module = import_script("ppo_cartpole_gpu")
     message = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to"
-    monkeypatch.setattr(module, "make_envs", lambda *args: (_ for _ in ()).throw(RuntimeError(message)))
+
+    def make_envs(*args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(module, "make_envs", make_envs)
     result = call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path)
     assert_one_failure_line(result, "error: out of memory ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAll")
 

@@ -324,36 +324,24 @@ def test_ctrl_c_after_a_sigterm_stops_at_once(in_tmp):
     assert read_json(path)["status"] == "interrupted"
 
 
-def test_a_run_a_bug_stops_says_where_its_outputs_are_without_reading_as_an_error_line(in_tmp, monkeypatch, capsys):
-    """A bug in a copy ends the run with Python's traceback; the result line printed before it names the outputs and
-    does not start as a refusal's one `error:` line does (it read `error: total_env_steps 0, ...`)."""
+@pytest.mark.parametrize("where, steps, iterations", [("gradient_step", "0", 0), ("evaluate", "2,048", 4)])
+def test_a_run_a_bug_stops_says_where_its_outputs_are_without_reading_as_an_error_line(
+    where, steps, iterations, in_tmp, monkeypatch, capsys
+):
+    """A bug in a copy, in training (its gradient step) or in the final evaluation (its `evaluate`; Brax's video of
+    hopper, whose `dt` is a JAX array), ends the run with Python's traceback; summary.json (status `error`) and the
+    result line are written before it, the line naming the outputs and not starting as a refusal's one `error:` line
+    does (it read `error: total_env_steps 0, ...`). Before, an error in the final evaluation left no summary.json and
+    no line said where the run was."""
     module = import_script("ppo_cartpole_gpu")
 
     def broken(*args):
         raise RuntimeError("a bug in a copy")
 
-    monkeypatch.setattr(module, "gradient_step", broken)
+    monkeypatch.setattr(module, where, broken)
     with pytest.raises(RuntimeError, match="a bug in a copy"):
         module.train(module.Args(num_envs=32, num_steps=16, total_timesteps=2048, progress_bar=False, device="cpu"))
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("stopped by the error below: total_env_steps 0") and "; outputs in runs" in line, line
+    assert line.startswith(f"stopped by the error below: total_env_steps {steps}") and "; outputs in runs" in line, line
     (summary,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    assert read_json(summary)["status"] == "error"
-
-
-def test_an_error_in_the_final_evaluation_leaves_the_runs_outputs(in_tmp, monkeypatch, capsys):
-    """A bug in the final evaluation (a copy's `evaluate`; Brax's video of hopper, whose `dt` is a JAX array): the run
-    trained, so its summary.json (status `error`) and result line are written, then the traceback. Before, the
-    folder held no summary.json and no line said where the run was."""
-    module = import_script("ppo_cartpole_gpu")
-
-    def broken(*args):
-        raise AssertionError("fps must be float or Fraction")
-
-    monkeypatch.setattr(module, "evaluate", broken)
-    with pytest.raises(AssertionError, match="fps must be float"):
-        module.train(module.Args(num_envs=32, num_steps=16, total_timesteps=2048, progress_bar=False, device="cpu"))
-    (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("stopped by the error below: total_env_steps 2,048") and "; outputs in runs" in line, line
-    (summary,) = glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))
-    assert read_json(summary)["status"] == "error" and read_json(summary)["iterations"] == 4
+    assert read_json(summary)["status"] == "error" and read_json(summary)["iterations"] == iterations
