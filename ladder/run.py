@@ -159,16 +159,17 @@ class Run(contextlib.AbstractContextManager):
                 raise KeyboardInterrupt(self.stopping)
 
     def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception goes on to main
-        """Each seed's end, then their aggregate (a signal ends only the last evaluation); a compile error: one line."""
+        """Each seed's end, then their aggregate (a signal ends just the evaluation); a compile error: one line."""
         if why := self.args.compile and compile_error(exc):
             exc_type, exc = UsageError, UsageError(why)
         try:
-            stopped = bool(self.signals.received)
-            self.all.finish(exc_type, exc, stopped, self.setup, self.evaluate, self.note)
+            stopped = self.all.finish(exc_type, exc, self.signals.received, self.setup, self.evaluate, self.note)
         finally:
             self.signals.restore()
         if why:
             raise exc from None
+        if stopped and self.args.eval_only and exc is None:  # its evaluation was the run
+            raise KeyboardInterrupt(stopped, "while evaluating")
 
 
 class PerRank:

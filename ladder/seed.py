@@ -119,9 +119,9 @@ class Seed:
         if greedy(record_video, self.objects["agent"], self.objects["envs"], rollout, self.args, path):
             self.outputs.video(path, "videos/training")
 
-    def finish(self, status: str, whole: bool, stopped: bool, setup: dict, evaluate, note) -> bool:
+    def finish(self, status: str, whole: bool, stopped: int, setup: dict, evaluate, note) -> int:
         """The final checkpoint (when the state is `whole`), then on rank 0 the model, the final evaluation (not after
-        a signal), summary.json and the result line (none after a refusal); whether a signal stopped it."""
+        a signal), summary.json and the result line (none after a refusal); the signal that stopped it (0: none)."""
         if whole and not self.args.eval_only and self.checkpointed != self.progress.iteration:
             self.save(note)
         if whole and self.world_size > 1:  # the last collective: rank 0 alone goes on, however long it evaluates
@@ -136,6 +136,8 @@ class Seed:
         try:
             if self.args.eval_episodes and status in ("completed", "target return reached", "evaluated"):
                 stopped = stopped or self.final_evaluation(s, evaluate, note)
+            if stopped and self.args.eval_only:  # its evaluation is the run
+                s["status"] = status = "interrupted"
         except Exception:  # an error in the evaluation (a copy's, a video's): the run's outputs, then its traceback
             s["status"] = status = "error"
             raise
@@ -148,19 +150,25 @@ class Seed:
                 print(f"{label}: {result_line(s)}; outputs in {self.dir}")  # last, after W&B's own summary
         return stopped  # (a signal that ends one seed's final evaluation ends the next seeds' too)
 
-    def final_evaluation(self, summary: dict, evaluate, note) -> bool:
-        """The confirming evaluation (unless filmed) or a new one, into `summary`; True: a signal cut it short."""
+    def final_evaluation(self, summary: dict, evaluate, note) -> int:
+        """The confirming evaluation (unless filmed) or a new one, into `summary`; the signal that cut it (0: none)."""
         video = os.path.join(self.dir, "videos", "evaluation.mp4") if self.args.capture_video else None
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.default_int_handler)
-        with contextlib.suppress(KeyboardInterrupt):
+            signal.signal(sig, interrupt)
+        try:
             if not (reuse := self.eval_returns is not None and self.progress.target_reached[self.index] and not video):
                 note(f"evaluating the policy on {self.args.eval_episodes} episode{'s' * (self.args.eval_episodes > 1)}")
             returns = self.eval_returns if reuse else self.play(evaluate, video)
             summary["eval_returns"], summary["eval_mean_return"] = returns, float(np.mean(returns))
             if video:
                 self.outputs.video(video, "videos/evaluation")
-        return summary["eval_returns"] is None
+        except KeyboardInterrupt as e:
+            return e.args[0] if e.args else signal.SIGINT
+        return 0
+
+
+def interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signum, "while evaluating")
 
 
 def greedy(play, agent, *args):

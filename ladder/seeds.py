@@ -66,8 +66,8 @@ class Seeds:
             run.outputs.write([(step, numbers(tags, row[seed])) for step, tags, row in self.rows])
         self.rows, self.flushed = [], time.perf_counter()
 
-    def finish(self, exc_type, exc, stopped: bool, setup: dict, evaluate, note) -> None:
-        """Each seed's end (its checkpoint, model, evaluation, summary.json, result line), then their aggregate."""
+    def finish(self, exc_type, exc, stopped: int, setup: dict, evaluate, note) -> int:
+        """Each seed's end (checkpoint, model, evaluation, summary.json, result), their aggregate; the signal, or 0."""
         at_end = isinstance(exc, KeyboardInterrupt) and len(exc.args) == 1  # at an iteration's end, by a signal
         causes = {KeyboardInterrupt: "interrupted", FloatingPointError: "non-finite loss", UsageError: "refused"}
         status = causes.get(exc_type, "error") if exc else "evaluated" if self.args.eval_only else "completed"
@@ -85,6 +85,7 @@ class Seeds:
             exc.resume = self.dir or self.runs[0].dir  # main's last line: the command that goes on from it
         if self.stack:  # the objects train() returns: the last seed's own state
             self.stack.release()
+        return stopped
 
 
 def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:

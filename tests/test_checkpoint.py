@@ -387,6 +387,31 @@ print("returned")
     assert torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)["counters"]["iteration"] == 2
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs SIGTERM")
+def test_a_signal_during_an_eval_only_run_interrupts_it(tmp_path):
+    """--eval-only's evaluation is the run: SIGTERM in it leaves summary.json with status interrupted, says so and exits
+    143. Before, the cut evaluation ended as "evaluated" with no returns and exit 0, as if it had played them."""
+    code = f"""
+import glob, os, signal, sys, time
+sys.path.insert(0, {ROOT!r})
+import ppo_cartpole_gpu as P
+P.train(P.Args(num_envs=32, num_steps=16, total_timesteps=32 * 16, progress_bar=False, device="cpu", save_model=True,
+               eval_episodes=0, exp_name="trained"))
+def evaluate(*args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3600)
+P.evaluate = evaluate
+sys.argv[1:] = ["--eval-only", "--load-model", glob.glob("runs/*/trained.cleanrl_model")[0], "--exp-name", "evaluated"]
+P.main()
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in result.stderr, result.stderr
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*__evaluated__*"))
+    summary = read_json(os.path.join(folder, "summary.json"))
+    assert summary["status"] == "interrupted" and summary["eval_returns"] is None
+    assert result.stdout.splitlines()[-1].startswith("interrupted: total_env_steps 0"), result.stdout
+
+
 def test_eval_only_of_a_checkpoint_takes_its_seed(tmp_path):
     """--eval-only of seed 2's checkpoint, --seed left out: the new folder and the evaluation are seed 2's (the same
     returns as the run's own final evaluation). Before, the folder was named __1__ and the episodes were seed 1's.
