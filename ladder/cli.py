@@ -55,13 +55,17 @@ def check_run_flags(args) -> torch.device:
 
 
 def parse_args(Args):
-    """tyro's command line, its error box made one `error: ...` line; with --resume, flags left out keep their value."""
-    argv, default = sys.argv[1:], tyro.MISSING_NONPROP
-    resume = [v for f, v in zip(argv, argv[1:]) if f == "--resume"] + [f[9:] for f in argv if f.startswith("--resume=")]
-    if resume and resume[-1] != "None":
-        saved = read_checkpoint(resume[-1], script_file(Args))["args"]
+    """tyro's command line, its error box made one `error: ...` line; with --resume, flags left out keep their value
+    (--eval-only of a checkpoint: its algorithm's flags, as its --env-id)."""
+    argv, default, saved = sys.argv[1:], tyro.MISSING_NONPROP, {}
+    if resume := flag_value(argv, "--resume"):
+        saved = read_checkpoint(resume, script_file(Args))["args"]
         if any(f == "--sweep" or f.startswith("--sweep=") for f in argv):  # given again: tyro would add it to the saved
             saved = saved | {"sweep": ()}
+    elif (model := flag_value(argv, "--load-model")) and "--eval-only" in argv and os.path.exists(model):
+        saved = read_checkpoint(model, script_file(Args), "--load-model").get("args", {})
+        saved = {k: v for k, v in saved.items() if k not in RUN_FLAGS}
+    if saved:
         default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
     try:
         with contextlib.redirect_stderr(box := io.StringIO()):
@@ -80,6 +84,11 @@ def parse_args(Args):
             message = f"unrecognized option {unknown[1]}"
         hint = (unknown and flag_meant(unknown[1], Args)) or hint and hint.rstrip(",")  # tyro's lists: "--a, --no-a"
         raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    values = [f.split("=", 1)[1] if "=" in f else v for f, v in zip(argv, argv[1:] + [""]) if f.split("=")[0] == flag]
+    return values[-1] if values and values[-1] != "None" else None
 
 
 def flag_meant(flag: str, Args) -> str | None:

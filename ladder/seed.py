@@ -59,7 +59,7 @@ class Seed:
             broadcast_from_rank_0(alike(objects, per_rank))
             load_ranks_own(objects, saved["ranks"][self.rank].get("apart", {}) if saved else {})
         if a.eval_only:  # no training: a folder of its own, the model's left as it is
-            seed = f"seed {a.seed}" if "args" in self.model else f"a bare model keeps no seed: --seed {a.seed}'s"
+            seed = f"seed {a.seed}" if "args" in self.model else f"weights alone: --env-id {a.env_id}, --seed {a.seed}"
             note(f"--eval-only: evaluating {a.load_model} ({seed}) into a new run folder, {self.dir}")
         elif total_steps < 0.999 * a.total_timesteps:  # not for 5M -> 4,999,168
             note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")

@@ -168,7 +168,7 @@ def test_eval_only_replays_the_final_evaluation_on_video(script, tmp_path):
         summary = read_json(os.path.join(run_dir(tmp_path, name), "summary.json"))
         assert summary["status"] == "evaluated" and summary["total_env_steps"] == 0
         folder = os.path.relpath(run_dir(tmp_path, name), tmp_path)  # said, not made silently
-        seed = "seed 1" if name == "from_checkpoint" else "a bare model keeps no seed: --seed 1's"
+        seed = "seed 1" if name == "from_checkpoint" else "weights alone: --env-id CartPole-v1, --seed 1"
         assert f"note: --eval-only: evaluating {model} ({seed}) into a new run folder, {folder}" in result.stderr
         assert summary["eval_returns"] == trained["eval_returns"]
         video = os.path.join(run_dir(tmp_path, name), "videos", "evaluation.mp4")
@@ -412,13 +412,14 @@ P.main()
     assert result.stdout.splitlines()[-1].startswith("interrupted: total_env_steps 0"), result.stdout
 
 
-def test_eval_only_of_a_checkpoint_takes_its_seed(tmp_path):
-    """--eval-only of seed 2's checkpoint, --seed left out: the new folder and the evaluation are seed 2's (the same
-    returns as the run's own final evaluation). Before, the folder was named __1__ and the episodes were seed 1's.
-    A bare model (`--save-model`'s weights) keeps no seed: its folder is --seed's, and the note says so."""
-    train = call_main("ppo_cartpole_gpu", "--seed", "2", "--total-timesteps", "4096", "--num-envs", "32",
-                      "--eval-episodes", "3", "--exp-name", "trained", "--no-progress-bar", "--save-model",
-                      cwd=tmp_path)  # fmt: skip
+def test_eval_only_of_a_checkpoint_takes_its_seed_and_env(tmp_path):
+    """--eval-only of seed 2's checkpoint of EasyCart-v1, --seed and --env-id left out: the new folder and the
+    evaluation are seed 2's on EasyCart-v1 (the same returns as the run's own final evaluation). Before, the folder was
+    named __1__ and the episodes were seed 1's, and CartPole-v1's (a user's trial). A bare model (`--save-model`'s
+    weights) keeps no flags: its folder is --seed's and --env-id's, and the note says so."""
+    train = call_main("ppo_cartpole_gpu", "--seed", "2", "--total-timesteps", "4096", "--num-envs", "32", "--env-id",
+                      "EasyCart-v1", "--gamma", "0.98", "--eval-episodes", "3", "--exp-name", "trained",
+                      "--no-progress-bar", "--save-model", cwd=tmp_path)  # fmt: skip
     assert train.returncode == 0, train.stderr
     trained = read_json(os.path.join(run_dir(tmp_path, "trained"), "summary.json"))
     result = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", run_dir(tmp_path, "trained"),
@@ -427,10 +428,12 @@ def test_eval_only_of_a_checkpoint_takes_its_seed(tmp_path):
     assert "__evaluated__2__" in run_dir(tmp_path, "evaluated") and "(seed 2) into a new run folder" in result.stderr
     evaluated = read_json(os.path.join(run_dir(tmp_path, "evaluated"), "summary.json"))
     assert evaluated["seed"] == 2 and evaluated["eval_returns"] == trained["eval_returns"]
+    assert evaluated["env_id"] == "EasyCart-v1" and evaluated["args"]["gamma"] == 0.98
     bare = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", trained["model_path"], "--eval-episodes", "3",
                      "--exp-name", "bare", "--num-envs", "32", cwd=tmp_path)  # fmt: skip
     assert bare.returncode == 0, bare.stderr
-    assert "__bare__1__" in run_dir(tmp_path, "bare") and "(a bare model keeps no seed: --seed 1's)" in bare.stderr
+    assert "CartPole-v1__bare__1__" in run_dir(tmp_path, "bare"), bare.stderr
+    assert "(weights alone: --env-id CartPole-v1, --seed 1)" in bare.stderr
 
 
 def test_every_scalar_before_a_checkpoint_is_on_disk_when_it_is_written(in_tmp, monkeypatch):
