@@ -64,7 +64,7 @@ def parse_args(Args):
             saved = saved | {"sweep": ()}
     elif (model := flag_value(argv, "--load-model")) and "--eval-only" in argv and os.path.exists(model):
         saved = read_checkpoint(model, script_file(Args), "--load-model").get("args", {})
-        saved = {k: v for k, v in saved.items() if k not in RUN_FLAGS}
+        saved = {k: v for k, v in saved.items() if k not in RUN_FLAGS and k != "sweep"}  # (a sweep's: refused later)
     if saved:
         default = Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
     try:
