@@ -19,14 +19,15 @@ def stratified_bootstrap_ci(scores: dict[str, np.ndarray], reps: int = 10_000, s
 
 
 def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
-    """Runs' summary.json files in one: how many reached the target, the median and IQR of the steps to solve, the
-    final evaluations' IQM with a 95% bootstrap CI (None where none has it)."""
+    """Runs' summary.json files in one: how many reached the target, how many the env's solved level (None: it has
+    none) and the median and IQR of their steps to it, the final evaluations' IQM with a 95% bootstrap CI (or None)."""
     steps = np.array([s["solved_at_step"] for s in summaries if s["solved_at_step"] is not None], dtype=float)
     evals: dict[str, list[float]] = {}
     for s in summaries:
         if s["eval_mean_return"] is not None:
             evals.setdefault(s["env_id"], []).append(s["eval_mean_return"])
-    agg = dict(runs=len(summaries), seeds=sorted(s["seed"] for s in summaries), solved=len(steps))
+    solved = None if summaries[0].get("solved_threshold", 0) is None else len(steps)  # Atari's, Brax's: no level
+    agg = dict(runs=len(summaries), seeds=sorted(s["seed"] for s in summaries), solved=solved)
     agg |= {"target_return": summaries[0]["args"]["target_return"]} if "args" in summaries[0] else {}  # the flag's
     agg |= dict(target_reached=sum(s["status"] == "target return reached" for s in summaries))
     agg |= dict(solved_at_step_median=None, solved_at_step_iqr=None, evaluated=sum(map(len, evals.values())))
@@ -41,7 +42,7 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
 
 
 def line(agg: dict) -> str:
-    steps, evals = "none solved", "no evaluation"
+    steps, evals = "none solved" if agg["solved"] == 0 else "no solved level", "no evaluation"
     if agg["solved"]:
         (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]
         steps = f"solved at step median {median:,.0f} (IQR {q1:,.0f}–{q3:,.0f}) of {agg['solved']}"

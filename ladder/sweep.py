@@ -56,9 +56,10 @@ def write_ranking(folder: str, grid: list[dict], dirs: list[str], summaries: lis
         agg = aggregate(summaries[i * k : (i + 1) * k])
         low, high = agg["eval_iqm_ci95"] or (None, None)
         row = dict(config=config_name(config), **config, eval_iqm=agg["eval_iqm"], ci95_low=low, ci95_high=high)
-        rows.append(row | dict(solved=agg["solved"] / agg["runs"], solved_at_step_median=agg["solved_at_step_median"]))
+        solved = agg["solved"] and agg["solved"] / agg["runs"]  # (None: the env has no solved level)
+        rows.append(row | dict(solved=solved, solved_at_step_median=agg["solved_at_step_median"]))
     worst = lambda x, sign: np.inf if x is None else sign * x  # noqa: E731  (ties: more solved, then sooner)
-    rows.sort(key=lambda r: (worst(r["eval_iqm"], -1), -r["solved"], worst(r["solved_at_step_median"], 1)))
+    rows.sort(key=lambda r: (worst(r["eval_iqm"], -1), -(r["solved"] or 0), worst(r["solved_at_step_median"], 1)))
     with open(os.path.join(folder, "ranking.json"), "w") as f:
         json.dump(rows, f, indent=2)
     with open(os.path.join(folder, "ranking.csv"), "w", newline="") as f:
@@ -111,5 +112,6 @@ def table(rows: list[dict]) -> str:
         ci = "" if row["eval_iqm"] is None else f"{row['ci95_low']:.1f}–{row['ci95_high']:.1f}"
         iqm = "-" if row["eval_iqm"] is None else f"{row['eval_iqm']:.1f}"
         steps = "-" if row["solved_at_step_median"] is None else f"{row['solved_at_step_median']:,.0f}"
-        lines.append(f"{i:>4}  {row['config']:<40} {iqm:>9}  {ci:<15} {row['solved']:>6.0%}  {steps:>14}")
+        solved = "-" if row["solved"] is None else f"{row['solved']:.0%}"
+        lines.append(f"{i:>4}  {row['config']:<40} {iqm:>9}  {ci:<15} {solved:>6}  {steps:>14}")
     return "\n".join(lines)

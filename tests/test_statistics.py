@@ -14,6 +14,8 @@ from conftest import ROOT, run_script
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import seeds  # noqa: E402
 
+from ladder.sweep import table  # noqa: E402
+
 
 def summary(seed, reached, step, evaluation, env_id="CartPole-v1"):
     return {"seed": seed, "env_id": env_id, "status": "target return reached" if reached else "completed",
@@ -60,6 +62,20 @@ def test_the_aggregate_counts_solves_and_takes_quartiles_by_hand():
     assert seeds.line(agg).startswith("3/5 reached the target; solved at step median 250 (IQR 175–325) of 4; eval IQM")
     none = seeds.aggregate([summary(1, False, None, None)])
     assert none["eval_iqm"] is None and seeds.line(none) == "0/1 reached the target; none solved; no evaluation"
+
+
+@pytest.mark.quick
+def test_an_env_with_no_solved_level_is_not_counted_as_never_solved():
+    """Atari's and Brax's envs have no solved level (summary.json's solved_threshold null): the aggregate's `solved` is
+    None, its line says so and a --sweep's table shows "-". Before: "none solved" and 0% for every run (a user's
+    trial of a Brax sweep)."""
+    runs = [summary(seed, False, None, 100.0 * seed, env_id="hopper") | {"solved_threshold": None} for seed in (1, 2)]
+    agg = seeds.aggregate(runs, reps=100)
+    assert agg["solved"] is None and "; no solved level; eval IQM" in seeds.line(agg)
+    row = dict(config="gamma=0.9", eval_iqm=1.0, ci95_low=0.5, ci95_high=1.5, solved=None, solved_at_step_median=None)
+    assert table([row]).splitlines()[1].split()[-2:] == ["-", "-"]
+    cartpole = seeds.aggregate([summary(1, False, None, 9.0) | {"solved_threshold": 475.0}], reps=100)
+    assert cartpole["solved"] == 0 and "; none solved; " in seeds.line(cartpole)
 
 
 def test_the_command_aggregates_real_run_folders(tmp_path):
