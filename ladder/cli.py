@@ -82,6 +82,9 @@ def parse_args(Args):
         message = re.sub(rf"^Error parsing {Args.__name__}: ", "", message)  # a ValueError of `Args.__post_init__`
         if unknown := re.match(r"Unrecognized options?: (--[\w-]+)", message):  # not its value, as a second flag
             message = f"unrecognized option {unknown[1]}"
+        flag = next((a for a, b in zip(argv, argv[1:]) if b in ("True", "False") and a.startswith("--")), None)
+        if flag and re.match(r"Unrecognized options?: (True|False)\b", message):  # CleanRL's argparse: `--track True`
+            message = f"{flag} takes no value: {flag} or --no-{flag[2:]}"
         hint = (unknown and flag_meant(unknown[1], Args)) or hint and hint.rstrip(",")  # tyro's lists: "--a, --no-a"
         raise UsageError(message + (f"; did you mean {hint}?" if hint else "")) from None
 
@@ -96,6 +99,7 @@ def flag_meant(flag: str, Args) -> str | None:
     names = [f"--{name.replace('_', '-')}" for name in Args.__dataclass_fields__]
     names += [f"--no-{name[2:]}" for name, field in zip(names, fields(Args)) if field.type in (bool, "bool")]
     initials = {"--" + "".join(word[0] for word in name[2:].split("-")): name for name in names}
+    initials |= {"--cuda": "--device cuda", "--no-cuda": "--device cpu"}  # CleanRL's
     return initials.get(flag) or next(iter(difflib.get_close_matches(flag, names, n=1, cutoff=0.75)), None)
 
 
@@ -127,7 +131,8 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
             raise
         sys.exit(f"error: out of memory ({str(e).splitlines()[0][:160]}); lower --num-envs or --num-steps")
     except FrozenInstanceError as e:  # e.g. `args.ent_coef = ...` in train(): a value that changes must be a tensor
-        sys.exit(f"error: {e}: the flags are fixed for the run; see docs/modifying.md#values-that-change-in-training")
+        why = "a value derived from them: a variable of yours; one that changes: a tensor, docs/modifying.md"
+        sys.exit(f"error: {e}: the flags are fixed for the run ({why}#values-that-change-in-training)")
     except KeyboardInterrupt as e:  # a signal: stopped after an iteration (carrying its number), while compiling
         signum = e.args[0] if e.args else signal.SIGINT  # (its number and why), or a second Ctrl-C
         checkpoint = ", with a checkpoint" if len(e.args) == 1 else ""

@@ -33,7 +33,7 @@ def compile_error(e: BaseException | None) -> str | None:
     if ours := re.search(r"raised exception UsageError\('(.+)'\)", str(e.__cause__)):  # ladder's own words
         cause = ours[1]
     elif "Optimizer.zero_grad" in str(e):  # CleanRL's update with a torch.optim optimizer
-        cause = "torch.optim's zero_grad is one dynamo will not compile: use ladder.optim.Adam"
+        cause = "torch.optim's zero_grad is one dynamo will not compile: use ladder.optim.Adam, or a subclass of it"
     if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):  # dynamo's last reason: the guard that failed
         reasons = max(torch._dynamo.utils.guard_failures.values(), key=len, default=[])
         guard = " ".join(reasons[-1].split("User stack trace")[0].split()) if reasons else "a value changed"

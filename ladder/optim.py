@@ -91,6 +91,8 @@ class Adam(torch.optim.Optimizer):
         groups = zip(self.param_groups, split(self.flat), split(grad), split(s["exp_avg"]), split(s["exp_avg_sq"]))
         for group, p, g, m, v in groups:
             (beta1, beta2), lr = group["betas"], group["lr"]
+            if not torch.is_tensor(lr):  # CleanRL's `param_groups[0]["lr"] = lrnow`: a graph would keep the first one
+                raise UsageError(f'group["lr"] = {lr!r}, a number: set the rate in place, group["lr"].fill_(...)')
             m.mul_(beta1).add_(g, alpha=1 - beta1)  # (vmap has no rule for lerp_)
             v.mul_(beta2).add_(g * g, alpha=1 - beta2)  # (vmap has no rule for addcmul_)
             if group["weight_decay"]:  # decoupled, as AdamW

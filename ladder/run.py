@@ -76,6 +76,7 @@ class Run(contextlib.AbstractContextManager):
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], episodes) -> None:
         """An iteration's logs, one host read for all seeds and ranks; FloatingPointError on a NaN loss."""
+        stats = {tag: torch.as_tensor(value, device=self.device).detach() for tag, value in stats.items()}  # or numbers
         for tag, value in stats.items():  # a number each (a seed's own sum of a stacked x: x.flatten(1).sum(1))
             if value.numel() != self.k:
                 each = "a number" if self.k == 1 else f"one number per seed under --num-seeds {self.k}"

@@ -108,6 +108,19 @@ def test_a_torch_optimizer_with_a_float_rate_is_told_to_make_it_a_tensor_or_pass
     assert trained.returncode == 0, trained.stderr
 
 
+def test_cleanrls_float_rate_annealing_is_told_to_set_the_rate_in_place_in_every_mode(in_tmp, monkeypatch):
+    """CleanRL's `param_groups[0]["lr"] = frac * lr` puts a number where ladder's Adam keeps a tensor: eager it
+    trained, compiled it ended in inductor's `LoweringException: KeyError: 'unbacked_bindings'` (naming
+    ladder/optim.py), and a CUDA graph would replay the first rate (a user's trial). Each mode now stops at the first
+    step in one line that says what to write."""
+    anneal = '                group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])\n'
+    cleanrls = '                group["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate\n'
+    copy = recipe_copy(SCRIPT, str(in_tmp), [(anneal, cleanrls)], "cleanrl_anneal")
+    for flags in ([], ["--compile"]):
+        result = main_of(copy, *SHORT, *flags, cwd=in_tmp, monkeypatch=monkeypatch)
+        assert_one_error_line(result, 'group["lr"] = 0.005, a number: set the rate in place, group["lr"].fill_(...)')
+
+
 @pytest.mark.parametrize("name", ["SGD", "RMSprop"])
 def test_an_optimizer_written_on_ladders_flat_vector_steps_as_torchs(name, tmp_path):
     """The recipes' SGD with momentum and RMSprop, subclasses of ladder's Adam with a step of their own, take the

@@ -113,6 +113,8 @@ COMMON_BAD_FLAGS = [
     (["--seed", "99999999999999999999999"], "--seed must be in [0, 2,000,000,000]"),  # (was: torch's traceback)
     (["--exp-name", "a/b", "--save-model"], "--exp-name must be a name, not a path (no /), got a/b"),  # (traceback)
     (["--eval-only", "--load-model", "m.pt", "--eval-episodes", "0"], "--eval-only plays --eval-episodes (at least 1)"),
+    (["--cuda", "False"], "unrecognized option --cuda; did you mean --device cuda?"),  # CleanRL's (was: --cuda-graph?)
+    (["--capture-video", "True"], "--capture-video takes no value: --capture-video or --no-capture-video"),
 ]
 SCRIPT_BAD_FLAGS = [
     (

@@ -724,6 +724,25 @@ def test_a_statistic_may_be_nan_only_the_losses_must_be_finite(name, in_tmp, mon
         module.train(small_args(module, eval_episodes=0))
 
 
+def test_a_metric_with_a_gradient_or_a_python_number_is_logged(in_tmp, monkeypatch):
+    """CleanRL logs what it likes: a weight's norm (a tensor that requires grad) and a Python float reach TensorBoard.
+    Before, each ended in a traceback from inside run.log (`numpy()` on a tensor that requires grad; a float's
+    `numel`), where the docs promise a tag of one's own (a user's trial)."""
+    module = import_script("ppo_cartpole_gpu")
+    real_log = module.Run.log
+
+    def log(self, env_steps, stats, *episodes_rollout):  # as train() adding to `stats` before it calls run.log
+        mine = {"charts/norm": torch.linalg.vector_norm(self.agent.actor[0].weight), "charts/half": 0.5}
+        return real_log(self, env_steps, stats | mine, *episodes_rollout)
+
+    monkeypatch.setattr(module.Run, "log", log)
+    agent = module.train(small_args(module, eval_episodes=0))
+    logged = scalars(run_dir(in_tmp, module.Args.exp_name))
+    assert [value for _, value in logged["charts/half"]] == [0.5] * 6
+    norm = torch.linalg.vector_norm(agent.actor[0].weight).item()
+    assert logged["charts/norm"][-1][1] == pytest.approx(norm, rel=0.1) and logged["charts/norm"][-1][1] > 0
+
+
 # Extra state ----------------------------------------------------------------------------------
 def adaptive_penalty(module, monkeypatch) -> dict:
     """A coefficient β (as in KL-penalty PPO, Schulman et al. 2017, sec. 4) that the loss uses and train() adapts
@@ -874,6 +893,7 @@ def test_a_flag_changed_during_training_is_refused_in_one_line(name, in_tmp, mon
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot assign to field 'ent_coef'") and "docs/modifying.md#" in last, last
+    assert "(a value derived from them: a variable of yours; one that changes: a tensor, docs/modifying.md#" in last
 
 
 def annealed_buffer(module, monkeypatch) -> None:
