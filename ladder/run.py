@@ -76,15 +76,10 @@ class Run(contextlib.AbstractContextManager):
 
     def log(self, env_steps: int, stats: dict[str, torch.Tensor], episodes) -> None:
         """An iteration's logs, one host read for all seeds and ranks; FloatingPointError on a NaN loss."""
-        stats = {tag: torch.as_tensor(value, device=self.device).detach() for tag, value in stats.items()}  # or numbers
-        for tag, value in stats.items():  # a number each (a seed's own sum of a stacked x: x.flatten(1).sum(1))
-            if value.numel() != self.k:
-                each = "a number" if self.k == 1 else f"one number per seed under --num-seeds {self.k}"
-                raise UsageError(f"stats[{tag!r}] has shape {tuple(value.shape)}; run.log takes {each}")
+        values = one_number_each(stats, self.k, self.device)
         lr = torch.as_tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float32, device=self.device)
         head = torch.tensor([env_steps, self.signals.received], device=self.device).expand(self.k, 2)
         head = torch.cat((head, lr.reshape(-1, 1).expand(self.k, 1)), 1)  # each run's rate (a --sweep's differ)
-        values = torch.stack(list(stats.values()), -1).reshape(self.k, -1).float()
         episodes = torch.cat([x.reshape(self.k, -1).float() for x in episodes], 1)  # (ended, return, length)
         numbers = torch.cat((head, values, episodes), 1).cpu().numpy()  # the one host read
         if self.world_size > 1:  # every rank's numbers to every rank, as one: steps summed, any's stop, mean losses
@@ -171,6 +166,16 @@ class Run(contextlib.AbstractContextManager):
             raise exc from None
         if stopped and self.args.eval_only and exc is None:  # its evaluation was the run
             raise KeyboardInterrupt(stopped, "while evaluating")
+
+
+def one_number_each(stats: dict, k: int, device: torch.device) -> torch.Tensor:
+    """`stats` as a (k, len(stats)) tensor: one number per seed of each, a tensor (detached) or a Python number."""
+    stats = {tag: torch.as_tensor(value, device=device).detach() for tag, value in stats.items()}
+    for tag, value in stats.items():  # (a seed's own sum of a stacked x: x.flatten(1).sum(1))
+        if value.numel() != k:
+            each = "a number" if k == 1 else f"one number per seed under --num-seeds {k}"
+            raise UsageError(f"stats[{tag!r}] has shape {tuple(value.shape)}; run.log takes {each}")
+    return torch.stack(list(stats.values()), -1).reshape(k, -1).float()
 
 
 class PerRank:
