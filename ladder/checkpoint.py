@@ -46,9 +46,13 @@ def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
 
 
 def write_atomically(path: str, contents: dict) -> None:
-    """`contents` saved at `path` through a temporary file, then renamed: a kill mid-write leaves the old file."""
+    """`contents` saved at `path` (a .json path: as JSON) through a temporary file, then renamed: a kill mid-write
+    leaves the old file."""
     with open(path + ".tmp", "wb") as f:
-        torch.save(contents, f)
+        if path.endswith(".json"):
+            f.write(json.dumps(contents, indent=2).encode())
+        else:
+            torch.save(contents, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename, so a crash cannot leave a renamed empty file
     os.replace(path + ".tmp", path)

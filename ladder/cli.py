@@ -20,6 +20,7 @@ import tyro
 
 from ladder.checkpoint import read_checkpoint
 from ladder.flags import RUN_FLAGS, UsageError, check_flags, script_file
+from ladder.signals import interrupt
 
 
 def check_run_flags(args) -> torch.device:
@@ -105,6 +106,7 @@ def flag_meant(flag: str, Args) -> str | None:
 
 def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
     """`python script.py [flags]`: parse, join torchrun, set threads, train; end in one line (exit 2: usage, 1: NaN)."""
+    handler = signal.signal(signal.SIGTERM, interrupt)  # before the run's own handlers (JAX's set-up: seconds)
     try:
         args = parse_args(Args)
         device = check_run_flags(args)
@@ -122,6 +124,9 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
         print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # `--help | head`: the reader stopped reading, no error of the run's
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flushes stdout again
+        sys.exit(1)
     except OSError as e:  # an unwritable folder, a full disk (the last checkpoint stays: written atomically), ...
         sys.exit(f"error: {e}")  # its errno, its words and its file say it: no guess at a cause
     except FloatingPointError as e:
@@ -144,6 +149,7 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
             print(f"interrupted by {signal.Signals(signum).name}{checkpoint}", file=sys.stderr)
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
+        signal.signal(signal.SIGTERM, handler)
         if dist.is_initialized():  # a compiled graph holds the group; dynamo keeps the graphs in the script's globals
             for name in [name for name in vars(sys.modules[train.__module__]) if name.startswith("__compiled_fn")]:
                 setattr(sys.modules[train.__module__], name, None)  # (dynamo deletes the name when the graph goes)

@@ -1,7 +1,6 @@
 """One seed's run: its folder, checkpoint and resume, evaluations, videos and end (model, summary.json, result)."""
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -18,6 +17,7 @@ from ladder.distributed import alike, broadcast_from_rank_0, load_ranks_own, ran
 from ladder.flags import UsageError
 from ladder.outputs import Outputs
 from ladder.progress import Progress
+from ladder.signals import interrupt
 
 
 class Seed:
@@ -142,8 +142,7 @@ class Seed:
             s["status"] = status = "error"
             raise
         finally:
-            with open(os.path.join(self.dir, "summary.json"), "w") as f:
-                json.dump(s | {"args": asdict(self.args)}, f, indent=2)
+            write_atomically(os.path.join(self.dir, "summary.json"), s | {"args": asdict(self.args)})
             self.outputs.close(s["eval_mean_return"], self.progress.global_step)
             if status != "refused" and self.says_result:  # (an error: its traceback follows)
                 label = "stopped by the error below" if status == "error" else status
@@ -153,7 +152,7 @@ class Seed:
     def final_evaluation(self, summary: dict, evaluate, note) -> int:
         """The confirming evaluation (unless filmed) or a new one, into `summary`; the signal that cut it (0: none)."""
         video = os.path.join(self.dir, "videos", "evaluation.mp4") if self.args.capture_video else None
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM):  # at once: an evaluation has no iterations to finish
             signal.signal(sig, interrupt)
         try:
             if not (reuse := self.eval_returns is not None and self.progress.target_reached[self.index] and not video):
@@ -165,10 +164,6 @@ class Seed:
         except KeyboardInterrupt as e:
             return e.args[0] if e.args else signal.SIGINT
         return 0
-
-
-def interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt(signum, "while evaluating")
 
 
 def greedy(play, agent, *args):

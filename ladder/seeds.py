@@ -1,7 +1,6 @@
 """A run's seeds (K with --num-seeds, K per configuration with --sweep, each a run of its own: seed.py, stacked:
 stacked.py), from start to end."""
 
-import json
 import math
 import os
 import time
@@ -9,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from ladder.checkpoint import read_summary
+from ladder.checkpoint import read_summary, write_atomically
 from ladder.flags import UsageError, script_file, with_flags
 from ladder.progress import Progress
 from ladder.seed import Seed, new_folder
@@ -140,8 +139,8 @@ def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final:
     summaries = [summary for summary in map(read_summary, dirs if final else []) if summary is not None]
     agg = aggregate(summaries) if summaries and not args.sweep else {}  # a sweep's: per configuration (ranking.json)
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "summary.json"), "w") as f:
-        json.dump({"run_dirs": dirs, "num_seeds": args.num_seeds, **agg, "args": asdict(args)}, f, indent=2)
+    s = {"run_dirs": dirs, "num_seeds": args.num_seeds, **agg, "args": asdict(args)}
+    write_atomically(os.path.join(folder, "summary.json"), s)
     if final and args.sweep and len(summaries) == len(dirs):
         rows = write_ranking(folder, grid, dirs, summaries)
         print(f"{len(grid)} configurations x {args.num_seeds} seeds, ranked:\n{table(rows)}\noutputs in {folder}")

@@ -24,3 +24,8 @@ class Signals:
         self.received = self.received or signum
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt at once
         self.note(f"{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again: at once)")
+
+
+def interrupt(signum: int, frame) -> None:
+    """SIGTERM as Ctrl-C is, a KeyboardInterrupt at once (before a run's start, in its final evaluation)."""
+    raise KeyboardInterrupt(signum, "at once")  # (signum) alone: stopped after an iteration, with a checkpoint

@@ -449,3 +449,18 @@ def test_every_scalar_before_a_checkpoint_is_on_disk_when_it_is_written(in_tmp, 
     monkeypatch.setattr(ladder.seed.Seed, "save", save)
     module.train(small_args(module, eval_episodes=0, checkpoint_interval=2))
     assert len(on_disk) >= 3 and all(step == logged for step, logged in on_disk), on_disk
+
+
+def test_a_summary_cut_short_in_its_writing_leaves_the_one_before(in_tmp, monkeypatch):
+    """summary.json is written as checkpoint.pt is, through a file renamed when whole: a run resumed, whose new
+    summary fails amid its writing, leaves the last one readable. Before, a half-written summary.json, which the next
+    --resume refused as not a run's summary."""
+    module = import_script("ppo_cartpole_gpu")
+    module.train(small_args(module, eval_episodes=0, exp_name="first"))
+    real_asdict = ladder.seed.asdict
+    monkeypatch.setattr(ladder.seed, "asdict", lambda args: real_asdict(args) | {"z": object()})  # no JSON for it
+    more = small_args(module, eval_episodes=0, total_timesteps=16 * 32 * 8, resume=run_dir(in_tmp, "first"))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        module.train(more)
+    summary = read_json(os.path.join(run_dir(in_tmp, "first"), "summary.json"))
+    assert summary["status"] == "completed" and summary["iterations"] == 6, summary

@@ -5,6 +5,7 @@ import importlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -383,3 +384,35 @@ def test_filming_is_not_training_time(in_tmp, monkeypatch):
     (summary,) = [read_json(path) for path in glob.glob(str(in_tmp / "runs" / "*" / "summary.json"))]
     assert offset[0] == 3000 and summary["iterations"] == 3 and summary["wall_seconds"] < 1000, summary
     assert summary["mean_sps"] > summary["total_env_steps"] / 1000, summary
+
+
+def test_help_into_a_pipe_the_reader_closed_says_nothing(tmp_path):
+    """`--help | head -1`: the reader stops reading, and the script ends quietly. Before: a last line
+    `error: [Errno 32] Broken pipe`, as if the run had failed."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--help"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.close()  # before the help is written: its first write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 1 and err == "", err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs SIGTERM")
+def test_sigterm_before_the_run_starts_ends_in_one_line(tmp_path):
+    """A SIGTERM while `train()` sets up, before `run.start` installs the run's handlers (Brax's JAX set-up takes
+    seconds): `interrupted by SIGTERM`, exit 143. Before: killed by the signal, without a word."""
+    code = f"""
+import sys, time
+sys.path.insert(0, {ROOT!r})
+import ppo_cartpole_gpu as P
+from ladder.cli import run_command_line
+def train(args):
+    print("setting up", flush=True)
+    time.sleep(600)
+run_command_line(P.Args, train)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline() == "setting up\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and err == "interrupted by SIGTERM\n", err
