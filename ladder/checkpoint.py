@@ -45,7 +45,7 @@ def read_checkpoint(path: str, script: str, flag: str = "--resume") -> dict:
     return saved
 
 
-def write_atomically(path: str, contents: dict) -> None:
+def write_atomically(path: str, contents) -> None:
     """`contents` saved at `path` (a .json path: as JSON) through a temporary file, then renamed: a kill mid-write
     leaves the old file."""
     with open(path + ".tmp", "wb") as f:

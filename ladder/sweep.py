@@ -4,12 +4,12 @@ the configurations ranked by their seeds' evaluations: a table printed and saved
 import csv
 import difflib
 import itertools
-import json
 import os
 from dataclasses import fields
 
 import numpy as np
 
+from ladder.checkpoint import write_atomically
 from ladder.flags import RUN_FLAGS, UsageError
 from ladder.statistics import aggregate
 
@@ -60,8 +60,7 @@ def write_ranking(folder: str, grid: list[dict], dirs: list[str], summaries: lis
         rows.append(row | dict(solved=solved, solved_at_step_median=agg["solved_at_step_median"]))
     worst = lambda x, sign: np.inf if x is None else sign * x  # noqa: E731  (ties: more solved, then sooner)
     rows.sort(key=lambda r: (worst(r["eval_iqm"], -1), -(r["solved"] or 0), worst(r["solved_at_step_median"], 1)))
-    with open(os.path.join(folder, "ranking.json"), "w") as f:
-        json.dump(rows, f, indent=2)
+    write_atomically(os.path.join(folder, "ranking.json"), rows)
     with open(os.path.join(folder, "ranking.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
