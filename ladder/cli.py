@@ -104,9 +104,33 @@ def flag_meant(flag: str, Args) -> str | None:
     return initials.get(flag) or next(iter(difflib.get_close_matches(flag, names, n=1, cutoff=0.75)), None)
 
 
+class Unread:
+    """`stream`, which drops what is written once no one reads it (`| head`, a `less` quit): the run trains on."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:  # from now on into /dev/null (the stream's buffer too, flushed at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+
 def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
     """`python script.py [flags]`: parse, join torchrun, set threads, train; end in one line (exit 2: usage, 1: NaN)."""
     handler = signal.signal(signal.SIGTERM, interrupt)  # before the run's own handlers (JAX's set-up: seconds)
+    streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Unread(sys.stdout), Unread(sys.stderr))
     try:
         args = parse_args(Args)
         device = check_run_flags(args)
@@ -124,9 +148,6 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
         print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
-    except BrokenPipeError:  # `--help | head`: the reader stopped reading, no error of the run's
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flushes stdout again
-        sys.exit(1)
     except OSError as e:  # an unwritable folder, a full disk (the last checkpoint stays: written atomically), ...
         sys.exit(f"error: {e}")  # its errno, its words and its file say it: no guess at a cause
     except FloatingPointError as e:
@@ -150,6 +171,7 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         sys.exit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM
     finally:
         signal.signal(signal.SIGTERM, handler)
+        sys.stdout, sys.stderr = streams
         if dist.is_initialized():  # a compiled graph holds the group; dynamo keeps the graphs in the script's globals
             for name in [name for name in vars(sys.modules[train.__module__]) if name.startswith("__compiled_fn")]:
                 setattr(sys.modules[train.__module__], name, None)  # (dynamo deletes the name when the graph goes)

@@ -4,6 +4,7 @@ import contextlib
 import math
 import os
 import signal
+import tempfile
 import time
 from dataclasses import asdict, replace
 
@@ -52,7 +53,9 @@ class Seed:
                 load_in_place(obj, ranks[name] if name in per_rank else saved[name])
         except (RuntimeError, ValueError, KeyError) as e:  # another network, or a checkpoint of another version
             flag = f"--resume {a.resume}" if saved is not None else f"--load-model {a.load_model}"
-            raise UsageError(f"{flag} does not fit this agent: {str(e).splitlines()[-1].strip()}") from None
+            bare = f"; weights alone keep no flags: the --env-id and network's flags are this command's ({a.env_id})"
+            why = str(e).splitlines()[-1].strip() + (bare if saved is None and "args" not in self.model else "")
+            raise UsageError(f"{flag} does not fit this agent: {why}") from None
         if saved is not None:
             obs = self.restore(saved, obs, note)
         if self.world_size > 1:
@@ -67,6 +70,9 @@ class Seed:
             wandb_id = saved and saved["wandb_id"]
             outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
             os.makedirs(self.dir, exist_ok=True)
+            tempfile.TemporaryFile(
+                dir=self.dir
+            ).close()  # a resumed folder unwritable: its error now, not TensorBoard's
             self.outputs = outputs  # (once its folder is there: a run that has none ends with makedirs' own error)
         return obs
 

@@ -53,7 +53,8 @@ class Seeds:
         self.rows.append((p.global_step, tags, columns))
         if time.perf_counter() - self.flushed >= 10.0:  # and at each checkpoint (run.checkpoint)
             self.flush()
-        recent, label = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})", "seed 1: " if self.k > 1 else ""
+        recent = f"{p.mean(full=False)[0]:.1f} (last {min(p.count[0], 100)})" if p.count[0] else "none yet"
+        label = "seed 1: " if self.k > 1 else ""
         if self.args.sweep:
             label = f"{len(self.grid)} configurations x {self.args.num_seeds} seeds, the first's: "
         self.runs[0].outputs.show(steps, p.global_step, total_steps, p.sps(), recent, label)

@@ -208,6 +208,7 @@ def test_resume_and_load_model_refuse_bad_input_in_one_line(tmp_path):
         ("ppo_cartpole_gpu", ["--eval-only"], "--eval-only and --load-model PATH go together"),
         ("ppo_cartpole_gpu", ["--load-model", model], "--eval-only and --load-model PATH go together"),
         ("reinforce", ["--eval-only", "--load-model", model], f"--load-model {model} does not fit this agent"),
+        ("reinforce", ["--eval-only", "--load-model", model], "keep no flags: the --env-id and network's flags are"),
         ("ppo_cartpole_gpu", ["--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
     ):  # fmt: skip
         assert_one_error_line(call_main(script, *flags, cwd=tmp_path), message)

@@ -165,7 +165,8 @@ def test_cuda_graph_is_on_by_default_in_every_script(script, monkeypatch):
 def test_without_a_terminal_progress_comes_as_plain_lines(seeds, in_tmp, monkeypatch):
     """Under nohup or in CI (stderr not a terminal) the bar is off and a plain line replaces it, every 30 s (here at
     every iteration): steps, SPS, time left, the recent return; with --num-seeds seed 1's, as the bar follows seed 1.
-    --no-progress-bar silences it. Before, Atari printed nothing in 15 minutes."""
+    --no-progress-bar silences it; before an episode has ended, the return is "none yet" (it was "nan (last 0)").
+    Before, Atari printed nothing in 15 minutes."""
     monkeypatch.setattr(ladder.outputs, "PROGRESS_LINE_SECONDS", 0.0)
     flags = ["--num-envs", "32", "--total-timesteps", "2048", "--eval-episodes", "0", "--device", "cpu"]
     result = call_main("ppo_cartpole_gpu", *flags, "--num-seeds", str(seeds), cwd=in_tmp)
@@ -173,8 +174,10 @@ def test_without_a_terminal_progress_comes_as_plain_lines(seeds, in_tmp, monkeyp
     lines = [line for line in result.stderr.splitlines() if "/2,048 steps, " in line]
     assert len(lines) == 4, result.stderr  # an iteration is 32 x 16 steps
     pattern = ("seed 1: " if seeds > 1 else "") + r"[\d,]+/2,048 steps, ([\d,]+ SPS, \d\d:\d\d left|compiling), "
-    assert all(re.fullmatch(pattern + r"return (nan|-?[\d.]+) \(last \d+\)", line) for line in lines), lines
+    assert all(re.fullmatch(pattern + r"return (none yet|-?[\d.]+ \(last \d+\))", line) for line in lines), lines
     assert "2,048/2,048 steps, " in lines[-1]
+    first = call_main("ppo_cartpole_gpu", *flags, "--num-steps", "4", "--total-timesteps", "128", cwd=in_tmp)
+    assert re.search(r"^128/128 steps, .*, return none yet$", first.stderr, re.M), first.stderr  # (none ends in 4)
     quiet = call_main("ppo_cartpole_gpu", *flags, "--no-progress-bar", "--exp-name", "quiet", cwd=in_tmp)
     assert " steps, " not in quiet.stderr
 
@@ -388,12 +391,28 @@ def test_filming_is_not_training_time(in_tmp, monkeypatch):
 
 def test_help_into_a_pipe_the_reader_closed_says_nothing(tmp_path):
     """`--help | head -1`: the reader stops reading, and the script ends quietly. Before: a last line
-    `error: [Errno 32] Broken pipe`, as if the run had failed."""
+    `error: [Errno 32] Broken pipe` and exit 1, as if the run had failed."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), "--help"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     proc.stdout.close()  # before the help is written: its first write finds no reader
     err = proc.stderr.read()
-    assert proc.wait(timeout=300) == 1 and err == "", err
+    assert proc.wait(timeout=300) == 0 and err == "", err
+
+
+def test_a_run_whose_reader_goes_away_trains_on_to_its_end(tmp_path):
+    """`python ppo_cartpole_gpu.py 2>&1 | head -1`: the reader goes after the first line, and the run trains on to its
+    end, its outputs whole. Before: the next line's write ended it, mid-training, as an error and with no checkpoint
+    (a user's trial, Atari's and CartPole's)."""
+    flags = ["--num-envs", "32", "--total-timesteps", "8192", "--eval-episodes", "2", "--checkpoint-interval", "0"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    assert ": training on cpu" in proc.stdout.readline()  # (no terminal: the progress line)
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    summary = read_json(os.path.join(folder, "summary.json"))
+    assert summary["status"] == "completed" and len(summary["eval_returns"]) == 2, summary
+    assert os.path.exists(os.path.join(folder, "checkpoint.pt"))
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs SIGTERM")
@@ -416,3 +435,31 @@ run_command_line(P.Args, train)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM and err == "interrupted by SIGTERM\n", err
+
+
+def test_resuming_a_folder_that_refuses_writes_ends_in_one_line(tmp_path):
+    """--resume of a run folder on a read-only file system (a user's trial; emulated, as root writes anyway): one
+    line naming it. Before: TensorBoard's writer threads' tracebacks around the line."""
+    assert call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path).returncode == 0
+    (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
+    code = f"""
+import builtins, io, os, sys
+sys.path.insert(0, {ROOT!r})
+import ppo_cartpole_gpu as P
+refused = lambda path: os.path.abspath(os.fsdecode(path)).startswith({folder!r})
+real_open, real_os_open = builtins.open, os.open
+def open_(file, mode="r", *args, **kwargs):
+    if isinstance(file, (str, bytes)) and set(mode) & set("wax+") and refused(file):
+        raise OSError(30, "Read-only file system", os.fsdecode(file))
+    return real_open(file, mode, *args, **kwargs)
+def os_open(path, flags, *args, **kwargs):
+    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and refused(path):
+        raise OSError(30, "Read-only file system", os.fsdecode(path))
+    return real_os_open(path, flags, *args, **kwargs)
+builtins.open = io.open = open_
+os.open = os_open
+sys.argv[1:] = ["--resume", {folder!r}, "--total-timesteps", "512"]
+P.main()
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert_one_failure_line(result, f"error: [Errno 30] Read-only file system: '{folder}")
