@@ -64,7 +64,7 @@ class Outputs:
             self.progress.set_postfix(SPS=sps, ret=f"{label}{recent}", refresh=False)
         elif self.last_line is not None and time.perf_counter() - self.last_line >= PROGRESS_LINE_SECONDS:
             self.last_line = time.perf_counter()
-            speed = f"{sps:,} SPS, {tqdm.format_interval((total - done) / sps)} left" if sps else "compiling"
+            speed = f"{sps:,} SPS, {tqdm.format_interval(max(total - done, 0) / sps)} left" if sps else "compiling"
             print(f"{label}{done:,}/{total:,} steps, {speed}, return {recent}", file=sys.stderr)
 
     def video(self, path: str, key: str) -> None:

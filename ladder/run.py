@@ -173,7 +173,7 @@ def one_number_each(stats: dict, k: int, device: torch.device) -> torch.Tensor:
     stats = {tag: torch.as_tensor(value, device=device).detach() for tag, value in stats.items()}
     for tag, value in stats.items():  # (a seed's own sum of a stacked x: x.flatten(1).sum(1))
         if value.numel() != k:
-            each = "a number" if k == 1 else f"one number per seed under --num-seeds {k}"
+            each = "a number" if k == 1 else f"one number per seed under --num-seeds {k} (by run.each(fn, x))"
             raise UsageError(f"stats[{tag!r}] has shape {tuple(value.shape)}; run.log takes {each}")
     return torch.stack(list(stats.values()), -1).reshape(k, -1).float()
 

@@ -4,6 +4,7 @@ import glob
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -157,6 +158,14 @@ def start_in_background(command: list, **popen) -> subprocess.Popen:
         os.setpriority(os.PRIO_PROCESS, process.pid, 19)
     BACKGROUND.append(process)
     return process
+
+
+def swap_adam(module, monkeypatch, make) -> None:
+    """`module.Adam(...)` made by `make` for a test of optimizers; a copy (`--script`) whose train() builds no
+    `Adam(...)`, another optimizer in its place, skips the test, which would not reach that optimizer."""
+    if "Adam(" not in inspect.getsource(module.train):
+        pytest.skip(f"{module.__name__}.train() builds no Adam(...), which this test replaces")
+    monkeypatch.setattr(module, "Adam", make)
 
 
 @pytest.fixture

@@ -182,6 +182,17 @@ def test_without_a_terminal_progress_comes_as_plain_lines(seeds, in_tmp, monkeyp
     assert " steps, " not in quiet.stderr
 
 
+def test_a_run_past_its_total_shows_no_time_left(in_tmp, monkeypatch):
+    """REINFORCE's rollout plays until every episode ends, past a --total-timesteps of 100: the line says 00:00 left
+    (it said -00:00)."""
+    monkeypatch.setattr(ladder.outputs, "PROGRESS_LINE_SECONDS", 0.0)
+    flags = ["--num-envs", "8", "--total-timesteps", "100", "--eval-episodes", "0", "--device", "cpu"]
+    result = call_main("reinforce", *flags, cwd=in_tmp)
+    assert result.returncode == 0 and re.search(r"^[\d,]+/100 steps, [\d,]+ SPS, 00:00 left", result.stderr, re.M), (
+        result.stderr
+    )
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_without_a_terminal_a_run_shows_signs_of_life_at_once(script, in_tmp):
     """Under nohup: a first line at once naming the run folder, the device and the steps, and a progress line after

@@ -34,6 +34,7 @@ from conftest import (
     small_args,
     stop_with_sigterm_at,
     stopped_and_resumed,
+    swap_adam,
     train_seeds,
 )
 from ladder.flags import UsageError
@@ -172,7 +173,7 @@ def decay_in_two_groups(module, monkeypatch, weight_decay: float = 1e-2) -> None
                   {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]  # fmt: skip
         return Adam(agent, groups, lr=lr, **kwargs)
 
-    monkeypatch.setattr(module, "Adam", make)
+    swap_adam(module, monkeypatch, make)
 
 
 @pytest.mark.behaviour
@@ -224,7 +225,7 @@ def two_adam_optimizers(module, monkeypatch) -> dict:
         box["second"].step()
         return stats
 
-    monkeypatch.setattr(module, "Adam", make)
+    swap_adam(module, monkeypatch, make)
     monkeypatch.setattr(module, "gradient_step", gradient_step)
     monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: real_start(self, *a, **k, second=box["second"]))
     return box
@@ -268,7 +269,7 @@ def test_another_optimizer_trains_alike_compiled_and_resumed(name, in_tmp, monke
     """SGD with momentum in place of Adam (docs/modifying.md's recipe: a subclass of ladder's Adam with its step
     written out): eager and compiled alike, resumed as one run (its velocity in the checkpoint)."""
     module = import_script(name)
-    monkeypatch.setattr(module, "Adam", lambda agent, lr, eps: SGD(agent, lr=lr))
+    swap_adam(module, monkeypatch, lambda agent, lr, eps: SGD(agent, lr=lr))
     eager, compiled, resumed = three_ways(module, monkeypatch, in_tmp)
     assert_same_training(eager, compiled, resumed)
 
@@ -308,7 +309,7 @@ def auxiliary_phase(module, monkeypatch, stacked: bool = True) -> dict:
         return real_film(self, rollout)
 
     monkeypatch.setattr(module, "Agent", WithAuxHead)
-    monkeypatch.setattr(module, "Adam", make)
+    swap_adam(module, monkeypatch, make)
     monkeypatch.setattr(module.Run, "start", lambda self, *a, **k: real_start(self, *a, **k, aux=box["aux"]))
     monkeypatch.setattr(module.Run, "film", film)
     return box
@@ -378,7 +379,7 @@ def lr_scheduler(module, monkeypatch, given: bool = True, step_size: int = 2) ->
         self.scheduler.step()
         return reached
 
-    monkeypatch.setattr(module, "Adam", make)
+    swap_adam(module, monkeypatch, make)
     monkeypatch.setattr(module.Run, "start", start)
     monkeypatch.setattr(module.Run, "log", log)
     return box
@@ -724,21 +725,26 @@ def test_a_statistic_may_be_nan_only_the_losses_must_be_finite(name, in_tmp, mon
         module.train(small_args(module, eval_episodes=0))
 
 
-def test_a_metric_with_a_gradient_or_a_python_number_is_logged(in_tmp, monkeypatch):
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_a_metric_with_a_gradient_or_a_python_number_is_logged(seeds, in_tmp, monkeypatch):
     """CleanRL logs what it likes: a weight's norm (a tensor that requires grad) and a Python float reach TensorBoard.
     Before, each ended in a traceback from inside run.log (`numpy()` on a tensor that requires grad; a float's
-    `numel`), where the docs promise a tag of one's own (a user's trial)."""
+    `numel`), where the docs promise a tag of one's own (a user's trial). The norm is each seed's own by `run.each`,
+    as docs/modifying.md#metrics writes it, in one run and in two stacked seeds; before, the docs' `x.flatten(1)`
+    way ended one run in a traceback (another user's trial)."""
     module = import_script("ppo_cartpole_gpu")
     real_log = module.Run.log
 
     def log(self, env_steps, stats, *episodes_rollout):  # as train() adding to `stats` before it calls run.log
-        mine = {"charts/norm": torch.linalg.vector_norm(self.agent.actor[0].weight), "charts/half": 0.5}
+        mine = {"charts/norm": self.each(torch.linalg.vector_norm, self.agent.actor[0].weight)}
+        mine |= {"charts/half": 0.5} if seeds == 1 else {}  # (K seeds: a number each)
         return real_log(self, env_steps, stats | mine, *episodes_rollout)
 
     monkeypatch.setattr(module.Run, "log", log)
-    agent = module.train(small_args(module, eval_episodes=0))
-    logged = scalars(run_dir(in_tmp, module.Args.exp_name))
-    assert [value for _, value in logged["charts/half"]] == [0.5] * 6
+    agent = module.train(small_args(module, eval_episodes=0, num_seeds=seeds))
+    (folder,) = glob.glob(str(in_tmp / "runs" / f"*__{module.Args.exp_name}__{seeds}__*"))  # the last seed's
+    logged = scalars(folder)
+    assert seeds > 1 or [value for _, value in logged["charts/half"]] == [0.5] * 6
     norm = torch.linalg.vector_norm(agent.actor[0].weight).item()
     assert logged["charts/norm"][-1][1] == pytest.approx(norm, rel=0.1) and logged["charts/norm"][-1][1] > 0
 
@@ -805,7 +811,7 @@ def test_every_param_group_is_annealed_from_its_own_first_rate(name, in_tmp, mon
         made.append(Adam(agent, [{"params": params[:2], "lr": lr / 10}, {"params": params[2:]}], lr=lr, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(module, "Adam", two_groups)
+    swap_adam(module, monkeypatch, two_groups)
     args = small_args(module, eval_episodes=0)
     if not getattr(args, "anneal_lr", False):
         pytest.skip("this copy does not anneal its learning rate (no --anneal-lr, or off by default)")
