@@ -146,4 +146,4 @@ def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final:
         rows = write_ranking(folder, grid, dirs, summaries)
         print(f"{len(grid)} configurations x {args.num_seeds} seeds, ranked:\n{table(rows)}\noutputs in {folder}")
     elif final and summaries:
-        print(f"{len(dirs)} seeds: {line(agg)}; outputs in {folder}")
+        print(f"{len(dirs)} seeds: {line(agg, trained=not args.eval_only)}; outputs in {folder}")

@@ -41,7 +41,7 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
     return agg
 
 
-def line(agg: dict) -> str:
+def line(agg: dict, trained: bool = True) -> str:
     steps, evals = "none solved" if agg["solved"] == 0 else "no solved level", "no evaluation"
     if agg["solved"]:
         (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]
@@ -51,4 +51,4 @@ def line(agg: dict) -> str:
         evals = f"eval IQM {agg['eval_iqm']:.1f} (95% CI {low:.1f}–{high:.1f}, {agg['evaluated']} runs)"
     reached = f"{agg['target_reached']}/{agg['runs']} reached the target"
     reached = "no target" if "target_return" in agg and agg["target_return"] is None else reached
-    return f"{reached}; {steps}; {evals}"
+    return f"{reached}; {steps}; {evals}" if trained else evals  # (--eval-only: nothing reached or solved)

@@ -3,6 +3,7 @@ normalisation, minibatch order), stacked into one vmapped call; resumed, stopped
 
 import glob
 import os
+import re
 import signal
 import sys
 from dataclasses import replace
@@ -175,9 +176,10 @@ def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_p
 
 @pytest.mark.behaviour
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp):
+def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp, capsys):
     """--save-model: a model in each seed's folder; --capture-video: seed 1's envs filmed; --eval-only --load-model of
-    the aggregate folder evaluates each seed's own weights, as its training's final evaluation did."""
+    the aggregate folder evaluates each seed's own weights, as its training's final evaluation did, and its line says
+    their evaluation alone (it said "0/2 reached the target; none solved", as if they had trained: a user's trial)."""
     module = import_script(script)
     args = small_args(module, num_seeds=2, save_model=True, capture_video=True, video_interval=0, exp_name="train")
     train_seeds(module, args)
@@ -188,6 +190,9 @@ def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp):
     assert all(os.path.isfile(s["model_path"]) for s in trained)
     train_seeds(module, replace(args, eval_only=True, load_model=group, save_model=False, capture_video=False,
                                 exp_name="eval"))  # fmt: skip
+    assert re.search(
+        r"^2 seeds: eval IQM [\d.]+ \(95% CI [\d.]+–[\d.]+, 2 runs\); outputs in ", capsys.readouterr().out, re.M
+    )
     evaluated = [read_json(os.path.join(d, "summary.json")) for d in folders(in_tmp, "eval")[1]]
     assert [s["eval_returns"] for s in evaluated] == [s["eval_returns"] for s in trained]
 
