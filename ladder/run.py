@@ -171,7 +171,7 @@ class Run(contextlib.AbstractContextManager):
 def one_number_each(stats: dict, k: int, device: torch.device) -> torch.Tensor:
     """`stats` as a (k, len(stats)) tensor: one number per seed of each, a tensor (detached) or a Python number."""
     stats = {tag: torch.as_tensor(value, device=device).detach() for tag, value in stats.items()}
-    for tag, value in stats.items():  # (a seed's own sum of a stacked x: x.flatten(1).sum(1))
+    for tag, value in stats.items():  # (a seed's own number of a stacked x: run.each(fn, x))
         if value.numel() != k:
             each = "a number" if k == 1 else f"one number per seed under --num-seeds {k} (by run.each(fn, x))"
             raise UsageError(f"stats[{tag!r}] has shape {tuple(value.shape)}; run.log takes {each}")

@@ -70,9 +70,8 @@ class Seed:
             wandb_id = saved and saved["wandb_id"]
             outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
             os.makedirs(self.dir, exist_ok=True)
-            tempfile.TemporaryFile(
-                dir=self.dir
-            ).close()  # a resumed folder unwritable: its error now, not TensorBoard's
+            # a resumed folder that cannot be written: its own one error now, not TensorBoard's threads' tracebacks
+            tempfile.TemporaryFile(dir=self.dir).close()
             self.outputs = outputs  # (once its folder is there: a run that has none ends with makedirs' own error)
         return obs
 
