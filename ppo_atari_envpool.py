@@ -35,7 +35,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
 from ladder.optim import Adam
@@ -422,7 +421,7 @@ def train(args: Args) -> Agent:
             batch = Batch(*rows, advantages.flatten(), returns.flatten(), values[:T].flatten(), mask)
             return update(functools.partial(one_epoch, step), batch, args)
 
-        learn = CudaGraph(learn, run)  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
+        learn = run.one_call(learn)  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
         for iteration in run.iterations():
             for group, lr in zip(optimizer.param_groups, initial_lrs) if args.anneal_lr else ():
                 group["lr"].fill_((1.0 - (iteration - 1.0) / num_iterations) * lr)  # in place: see ladder/optim.py

@@ -28,7 +28,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
 from ladder.optim import Adam
@@ -412,10 +411,8 @@ def train(args: Args, envs=None) -> Agent:
             step = functools.partial(gradient_step, agent, optimizer, ppo_loss, args)
             return obs, update(functools.partial(epoch, step), prepare(agent, rollout, args), args)
 
-        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
-            one_iteration = run.stacked(one_iteration)
-        else:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            one_iteration = CudaGraph(one_iteration, run)
+        # one call for all K runs (--num-seeds, --sweep), vmapped over their state; on a GPU one CUDA graph, replayed
+        one_iteration = run.one_call(one_iteration)
         for iteration in run.iterations():
             for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
                 group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])

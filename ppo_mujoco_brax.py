@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
 from ladder.optim import Adam
@@ -421,10 +420,8 @@ def train(args: Args) -> Agent:
             epoch = functools.partial(one_epoch, functools.partial(step, agent, optimizer, ppo_loss, args))
             return update(epoch, prepare(agent, rollout, args), args)
 
-        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
-            learn = run.stacked(learn)
-        else:  # on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
-            learn = CudaGraph(learn, run)
+        # one call for all K runs (--num-seeds, --sweep), vmapped over their state; on a GPU one CUDA graph, replayed
+        learn = run.one_call(learn)
         for iteration in run.iterations():
             for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
                 group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])

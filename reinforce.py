@@ -25,7 +25,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags, UsageError
 from ladder.optim import Adam
@@ -360,10 +359,10 @@ def train(args: Args, envs=None) -> Agent:
             stats = step(agent, optimizer, reinforce_loss, args, batch)
             return stats, finished_episodes(rollout._replace(dones=rollout.dones & first))  # logged: those trained on
 
-        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
-            collect, learn = run.stacked(collect), run.stacked(learn)
-        else:  # on a GPU: each 10-step chunk recorded once as a CUDA graph
-            collect = CudaGraph(collect, run)
+        # one call for all K runs (--num-seeds, --sweep), vmapped over their state; on a GPU one CUDA graph per
+        # 10-step chunk, replayed (`learn`'s length changes with the episodes': one run's runs as it is)
+        collect = run.one_call(collect)
+        learn = run.one_call(learn) if len(run.args_per_run) > 1 else learn
         for _ in run.iterations():
             for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
                 group["lr"].copy_((1 - run.progress.global_step / total_steps) * group["first_lr"])

@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 
 from ladder.cli import run_command_line
-from ladder.cuda_graph import CudaGraph
 from ladder.distributed import average_gradients
 from ladder.flags import RunFlags
 from ladder.optim import Adam
@@ -385,11 +384,10 @@ def train(args: Args, envs=None) -> Agent:
             step = functools.partial(gradient_step, agent, optimizer, vpg_loss, args)
             return obs, update(step, make_batch(agent, rollout, args), args)
 
-        if len(run.args_per_run) > 1:  # --num-seeds, --sweep: one call for all K runs, vmapped over their state
-            one_iteration = run.stacked(one_iteration)
-        else:  # --compile: one graph; on a GPU: recorded once as a CUDA graph, replayed (--cuda-graph)
+        if len(run.args_per_run) == 1:  # --compile: one graph (K runs: run.one_call compiles their vmapped call)
             one_iteration = torch.compile(one_iteration, fullgraph=True) if args.compile else one_iteration
-            one_iteration = CudaGraph(one_iteration, run)
+        # one call for all K runs (--num-seeds, --sweep), vmapped over their state; on a GPU one CUDA graph, replayed
+        one_iteration = run.one_call(one_iteration)
         for iteration in run.iterations():
             for group in optimizer.param_groups if args.anneal_lr else ():  # in place: see ladder/optim.py
                 group["lr"].copy_((1.0 - (iteration - 1.0) / num_iterations) * group["first_lr"])

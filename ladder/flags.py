@@ -86,7 +86,7 @@ def with_flags(args, **changes):
         raise UsageError(str(e)) from None
     floats = {f.name: getattr(args, f.name) for f in fields(args) if isinstance(getattr(args, f.name), float)}
     rules = {name: (math.isfinite(value), "finite") for name, value in floats.items()}
-    rules["seed"] = (0 <= getattr(args, "seed", 0) <= 2_000_000_000, "in [0, 2,000,000,000] (EnvPool's seeds: int32)")
+    rules["seed"] = (0 <= getattr(args, "seed", 0) <= 2_000_000_000, "in [0, 2,000,000,000] (32-bit seeds)")
     rules["exp_name"] = (not {"/", os.sep} & set(args.exp_name), "a name, not a path (no /)")
     check_flags(args, rules)
     return args

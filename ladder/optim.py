@@ -57,7 +57,7 @@ class Adam(torch.optim.Optimizer):
         """`loss.backward()` of `loss, stats = loss_fn(module, *args)`, vmapped too: the held parameters' gradient added
         to their `.grad`, by torch.autograd (eager, compiled) or torch.func.grad (vmapped); returns `stats`."""
         if self.flat.dim() > 1:  # the K seeds' weights, stacked, outside the vmapped call (their shapes would not fit)
-            raise UsageError("--num-seeds: call optimizer.backward(...) in a function wrapped by run.stacked(...)")
+            raise UsageError("--num-seeds: call optimizer.backward(...) in a function wrapped by run.one_call(...)")
         held = list({i: getattr(m, key) for m, key, i in self.places}.values())  # (vmapped: the seed's)
         untraceable = torch.compiler.is_compiling() and not getattr(torch._dynamo.config, "trace_autograd_ops", False)
         if isinstance(held[0], nn.Parameter) and not untraceable:

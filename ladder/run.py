@@ -63,10 +63,12 @@ class Run(contextlib.AbstractContextManager):
         """`fn(*args)`; --num-seeds K: for each seed on its own objects in turn (Brax's JAX envs), stacked."""
         return fn(*args) if self.k == 1 else self.stack.one_by_one(fn, *args)
 
-    def stacked(self, fn):
-        """`fn`, an iteration's device work, as one call for the K seeds (vmapped, --compile'd; GPU: a CUDA graph)."""
-        call = lambda *args: self.stack.call(fn, *args, compile=self.args.compile)
-        call.__name__ = f"{fn.__name__} of {self.k} seeds"
+    def one_call(self, fn):
+        """`fn`, device work, as one call: vmapped over the K runs' state (--compile'd), on a GPU a CUDA graph."""
+        call = fn
+        if self.k > 1:
+            call = lambda *args: self.stack.call(fn, *args, compile=self.args.compile)
+            call.__name__ = f"{fn.__name__} of {self.k} seeds"
         return CudaGraph(call, self)
 
     def note(self, message: str) -> None:

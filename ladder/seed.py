@@ -5,7 +5,6 @@ import math
 import os
 import signal
 import tempfile
-import time
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -25,7 +24,7 @@ class Seed:
     """Seed `index`'s run under its own `args` (resumable alone); its counters are row `index` of `progress`. In
     `own()` its objects hold its own state (the last seed's are the lead's, which otherwise hold all K's)."""
 
-    def __init__(self, index: int, args, script: str, progress: Progress, rank: int, world_size: int):
+    def __init__(self, index: int, args, script: str, progress: Progress, rank: int, world_size: int, started: int):
         self.index, self.args, self.script, self.progress = index, args, script, progress
         self.rank, self.world_size = rank, world_size
         self.saved = read_checkpoint(args.resume, script) if args.resume else None
@@ -33,7 +32,7 @@ class Seed:
         if args.eval_only and "args" in self.model:  # a checkpoint's: its folder and evaluation take its seed
             args = self.args = replace(args, seed=self.model["args"]["seed"])
         resumed = args.resume and (args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
-        self.dir = resumed or new_folder(f"{args.env_id}__{args.exp_name}__{args.seed}")
+        self.dir = resumed or new_folder(f"{args.env_id}__{args.exp_name}__{args.seed}", started)
         self.outputs, self.eval_returns, self.own = None, None, contextlib.nullcontext
         self.checkpointed, self.next_check, self.noted_apart, self.says_result = -1, 0, set(), True
 
@@ -205,9 +204,9 @@ def result_line(summary: dict) -> str:
     return text
 
 
-def new_folder(name: str) -> str:
-    """runs/`name`__{time}, a run folder no other run has (a second run in the same second: __{time}_2)."""
-    folder, i = os.path.join("runs", f"{name}__{int(time.time())}"), 1
+def new_folder(name: str, started: int) -> str:
+    """runs/`name`__`started`, a run folder no other run has (a second run in the same second: __{time}_2)."""
+    folder, i = os.path.join("runs", f"{name}__{started}"), 1
     while os.path.exists(folder if i == 1 else f"{folder}_{i}"):
         i += 1
     return folder if i == 1 else f"{folder}_{i}"

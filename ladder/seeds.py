@@ -22,8 +22,9 @@ class Seeds:
 
     def __init__(self, args, rank: int, world_size: int):
         self.args, self.rank, self.world_size = args, rank, world_size
+        self.started = int(time.time())  # every folder's {time}: the seeds' alike, however long each takes to build
         self.grid = sweep_grid(args) if args.sweep else [{}]  # --sweep: the configurations
-        self.dir, self.flags = seeds_flags(args, self.grid, world_size)
+        self.dir, self.flags = seeds_flags(args, self.grid, world_size, self.started)
         self.k = len(self.flags)
         self.progress, self.runs, self.observations, self.stack = Progress(self.k), [], [], None
         self.rows, self.flushed = [], -math.inf  # the scalars not written yet (the first iteration's: at once)
@@ -33,7 +34,7 @@ class Seeds:
         if len(self.runs) == self.k:
             raise UsageError(f"run.start is called once for each of {self.k} runs, in `for args in run.args_per_run:`")
         flags, script = self.flags[len(self.runs)], script_file(type(self.args))
-        seed = Seed(len(self.runs), flags, script, self.progress, self.rank, self.world_size)
+        seed = Seed(len(self.runs), flags, script, self.progress, self.rank, self.world_size, self.started)
         seed.says_result = len(self.grid) == 1  # a sweep's runs: its table says them
         self.runs.append(seed)
         say = note if seed.index == 0 else lambda message: None  # seeds 2 to K: the first seed's notes say it for all
@@ -88,7 +89,7 @@ class Seeds:
         return stopped
 
 
-def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
+def seeds_flags(args, grid: list[dict], world_size: int, started: int) -> tuple:
     """The aggregate folder and each run's flags: --num-seeds K, K runs per configuration of a --sweep `grid` (the
     first films, shows progress); --resume, --load-model from the aggregate's folders; one run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
@@ -113,7 +114,7 @@ def seeds_flags(args, grid: list[dict], world_size: int) -> tuple:
         more = "raise --total-timesteps, or pass --target-return None (or a higher one)"
         raise UsageError(f"--resume {args.resume}: each seed has ended; to train on, {more}")
     sweep = f"{len(grid)}-configurations__" if args.sweep else ""
-    folder = args.resume or new_folder(f"{args.env_id}__{args.exp_name}__{sweep}{first}-{first + k - 1}")
+    folder = args.resume or new_folder(f"{args.env_id}__{args.exp_name}__{sweep}{first}-{first + k - 1}", started)
     group = args.wandb_group or os.path.basename(os.path.normpath(folder))  # --track: a W&B run per seed, one group
 
     def run(i: int):

@@ -2,10 +2,12 @@
 normalisation, minibatch order), stacked into one vmapped call; resumed, stopped, evaluated and filmed like one run."""
 
 import glob
+import itertools
 import os
 import re
 import signal
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -60,15 +62,19 @@ def stacked_stopped_and_resumed(module, args, tmp, monkeypatch):
 
 @pytest.mark.behaviour
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_two_seeds_in_one_process_are_two_runs_and_their_aggregate(script, in_tmp):
-    """Two run folders and an aggregate beside them; the seeds' curves and weights differ. (Their noise is drawn for
-    both in one call, so a seed's stream is not the one it has alone: benchmarks/many_seeds.py --statistics checks
-    that stacked seeds learn as separate runs do.)"""
+def test_two_seeds_in_one_process_are_two_runs_and_their_aggregate(script, in_tmp, monkeypatch):
+    """Two run folders and an aggregate beside them, all three named with the run's start time (a clock that ticks a
+    second each time it is read: before, each seed's folder had the time its envs were built); the seeds' curves and
+    weights differ. (Their noise is drawn for both in one call, so a seed's stream is not the one it has alone:
+    benchmarks/many_seeds.py --statistics checks that stacked seeds learn as separate runs do.)"""
     module = import_script(script)
     args = small_args(module, num_seeds=2, exp_name="two")
+    ticks = itertools.count(1_700_000_000)
+    monkeypatch.setattr(time, "time", lambda: next(ticks))
     agents = train_seeds(module, args)
     group, dirs = folders(in_tmp, "two")
     assert len(agents) == 2 and os.path.basename(group).split("__")[2] == "1-2"
+    assert len({os.path.basename(folder).split("__")[-1] for folder in [group, *dirs]}) == 1, [group, *dirs]
     runs = [read_json(os.path.join(d, "summary.json")) for d in dirs]
     assert [s["seed"] for s in runs] == [1, 2] and all(s["status"] == "completed" for s in runs)
     assert [s["args"]["num_seeds"] for s in runs] == [1, 1]  # each folder resumes alone as one seed

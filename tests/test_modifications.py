@@ -278,7 +278,7 @@ def auxiliary_phase(module, monkeypatch, stacked: bool = True) -> dict:
     """A PPG-style auxiliary phase (Cobbe et al. 2021): the agent gets a head the loss does not use, with an Adam of
     its own (given to `run.start`), trained after every second iteration by two gradient steps on the rollout's
     observations (a value-like target); the policy's Adam holds the rest. --num-seeds K: the phase is wrapped by
-    `run.stacked` (`stacked`, as docs/modifying.md says), or not. Returns {"aux_steps": how many it took}."""
+    `run.one_call` (`stacked`, as docs/modifying.md says), or not. Returns {"aux_steps": how many it took}."""
     real_film, real_start, box, Agent = module.Run.film, module.Run.start, {"aux_steps": 0}, module.Agent
 
     class WithAuxHead(Agent):
@@ -302,7 +302,7 @@ def auxiliary_phase(module, monkeypatch, stacked: bool = True) -> dict:
 
     def film(self, rollout=None):  # (called after run.log in every iteration, with the rollout)
         if box.get("run") is not self:  # made once in each run, as train() would before its loop
-            box["run"], box["phase"] = self, self.stacked(aux_phase) if stacked and self.k > 1 else aux_phase
+            box["run"], box["phase"] = self, self.one_call(aux_phase) if stacked and self.k > 1 else aux_phase
         if self.progress.iteration % 2 == 0:  # every second iteration
             box["phase"](self.agent, rollout)
             box["aux_steps"] += 2
@@ -1099,7 +1099,7 @@ def test_a_started_early_test_runs_last_and_its_runs_end_with_the_session(tmp_pa
 def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name, in_tmp, monkeypatch):
     """With --num-seeds 2, a buffer the loss reads and train() anneals, another env (in `make_envs`, where a copy
     adds it), dropout, continuous actions (a Gaussian policy on the continuous Pendulum), and an auxiliary phase in
-    the loop (wrapped by run.stacked; before, a traceback) each stay each seed's own in the stacked call, and two
+    the loop (wrapped by run.one_call; before, a traceback) each stay each seed's own in the stacked call, and two
     seeds stopped by SIGTERM and resumed train as the two straight through: the same scalars and weights."""
     from test_many_seeds import folders, stacked_stopped_and_resumed
 
@@ -1136,7 +1136,7 @@ def test_a_change_trains_two_stacked_seeds_and_resumes_them_exactly(change, name
     ("backward", "--num-seeds: loss.backward() cannot run vmapped: take the gradient with optimizer.backward("),
     ("state", "--num-seeds: run.start(beta=...), a tensor, cannot be each seed's own in the stacked call"),
     ("metric", "stats['charts/weight_sum'] has shape (); run.log takes one number per seed under --num-seeds 2"),
-    ("auxiliary", "--num-seeds: call optimizer.backward(...) in a function wrapped by run.stacked(...)"),
+    ("auxiliary", "--num-seeds: call optimizer.backward(...) in a function wrapped by run.one_call(...)"),
 ])  # fmt: skip
 def test_a_change_two_stacked_seeds_cannot_take_is_refused_in_one_line(change, message, in_tmp, monkeypatch):
     """What the stacked call cannot give each seed its own of (the optimizer's step, a tensor the loss reads by

@@ -75,7 +75,7 @@ def test_the_grid_is_every_combination_in_order_and_each_run_its_own_flags():
     args = P.Args(sweep=("learning-rate=1e-3,1e-2", "--ent-coef=0,0.01"), num_seeds=2, seed=5, device="cpu")
     grid = sweep_grid(args)
     assert grid == [dict(learning_rate=a, ent_coef=b) for a in (1e-3, 1e-2) for b in (0.0, 0.01)]
-    folder, flags = seeds_flags(args, grid, world_size=1)
+    folder, flags = seeds_flags(args, grid, world_size=1, started=0)
     assert "__4-configurations__5-6__" in folder and len(flags) == 8
     assert [(f.learning_rate, f.ent_coef, f.seed) for f in flags[:3]] == [
         (1e-3, 0.0, 5),
@@ -85,9 +85,9 @@ def test_the_grid_is_every_combination_in_order_and_each_run_its_own_flags():
     assert all(f.sweep == () and f.num_seeds == 1 for f in flags)  # each folder resumes alone as one run
     assert flags[2].exp_name == "ppo_cartpole_gpu-learning-rate=0.001,ent-coef=0.01"
     with pytest.raises(UsageError, match="--sweep runs its configurations in one process: under torchrun"):
-        seeds_flags(args, grid, world_size=2)
+        seeds_flags(args, grid, world_size=2, started=0)
     one = P.Args(sweep=("learning-rate=1e-3",), device="cpu")  # one configuration, one seed: a plain run
-    assert seeds_flags(one, sweep_grid(one), world_size=1)[1][0].learning_rate == 1e-3
+    assert seeds_flags(one, sweep_grid(one), world_size=1, started=0)[1][0].learning_rate == 1e-3
 
 
 def test_a_sweep_of_one_value_is_a_plain_run_with_its_result_line(in_tmp):
