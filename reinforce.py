@@ -360,7 +360,7 @@ def train(args: Args, envs=None) -> Agent:
             return stats, finished_episodes(rollout._replace(dones=rollout.dones & first))  # logged: those trained on
 
         # one call for all K runs (--num-seeds, --sweep), vmapped over their state; on a GPU one CUDA graph per
-        # 10-step chunk, replayed (`learn`'s length changes with the episodes': one run's runs as it is)
+        # 10-step chunk, replayed (one run's `learn` runs as written: its length changes with the episodes)
         collect = run.one_call(collect)
         learn = run.one_call(learn) if len(run.args_per_run) > 1 else learn
         for _ in run.iterations():

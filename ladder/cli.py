@@ -80,7 +80,7 @@ def parse_args(Args):
         rules = [i for i, row in enumerate(rows) if not row.strip("─-+= ") or row.startswith("─")] + [len(rows)]
         message = " ".join(row for row in rows[rules[0] + 1 : next(i for i in rules if i > rules[0] + 1)] if row)
         hint = rows[rows.index("Perhaps you meant:") + 1].split()[0] if "Perhaps you meant:" in rows else None
-        message = re.sub(rf"^Error parsing {Args.__name__}: ", "", message)  # a ValueError of `Args.__post_init__`
+        message = re.sub(rf"^Error parsing ({Args.__name__}: )?", "", message)  # (`Args.__post_init__`'s ValueError)
         if unknown := re.match(r"Unrecognized options?: (--[\w-]+)", message):  # not its value, as a second flag
             message = f"unrecognized option {unknown[1]}"
         flag = next((a for a, b in zip(argv, argv[1:]) if b in ("True", "False") and a.startswith("--")), None)
@@ -128,7 +128,7 @@ class Unread:
 
 
 def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
-    """`python script.py [flags]`: parse, join torchrun, set threads, train; end in one line (exit 2: usage, 1: NaN)."""
+    """`python script.py [flags]`: parse, join torchrun, set threads, train; end in one line (2: usage, 1: error)."""
     handler = signal.signal(signal.SIGTERM, interrupt)  # before the run's own handlers (JAX's set-up: seconds)
     streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Unread(sys.stdout), Unread(sys.stderr))
     try:

@@ -30,7 +30,7 @@ class RunFlags:
     torch_threads: int = 0
     """CPU threads for torch (ignored on GPU); 0: one per core, or one where the script's nets are too small to share"""
     compile: bool = False
-    """torch.compile the phases of an iteration (iteration 1 compiles: not counted in SPS)"""
+    """torch.compile the iteration's phases (VPG: the whole iteration; iteration 1 compiles: not counted in SPS)"""
     cuda_graph: bool = True
     """on a GPU, record an iteration once as a CUDA graph and replay it (--no-cuda-graph: the loop as written)"""
     num_seeds: int = 1

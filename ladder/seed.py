@@ -69,8 +69,10 @@ class Seed:
             wandb_id = saved and saved["wandb_id"]
             outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
             os.makedirs(self.dir, exist_ok=True)
-            # a resumed folder that cannot be written: its own one error now, not TensorBoard's threads' tracebacks
-            tempfile.TemporaryFile(dir=self.dir).close()
+            try:  # a resumed folder that cannot be written: one error now, not TensorBoard's threads' tracebacks
+                tempfile.TemporaryFile(dir=self.dir).close()
+            except OSError as e:  # naming the folder, not the probe's file
+                raise OSError(e.errno, e.strerror, self.dir) from None
             self.outputs = outputs  # (once its folder is there: a run that has none ends with makedirs' own error)
         return obs
 

@@ -94,15 +94,16 @@ def seeds_flags(args, grid: list[dict], world_size: int, started: int) -> tuple:
     first films, shows progress); --resume, --load-model from the aggregate's folders; one run: (None, [its flags])."""
     k, first, n = args.num_seeds, args.seed, args.num_seeds * len(grid)
     # a run folder (its checkpoint.pt) is read no further: under torchrun rank 0 may still be writing its summary.json
-    aggregate = n > 1 or args.resume and not os.path.isfile(os.path.join(args.resume, "checkpoint.pt"))
-    saved = (aggregate and read_summary(args.resume or args.load_model)) or {}
+    path = args.resume or args.load_model
+    aggregate = n > 1 or path and not os.path.isfile(os.path.join(path, "checkpoint.pt"))
+    saved = (aggregate and read_summary(path)) or {}
     dirs, flag = saved.get("run_dirs"), "--resume" if args.resume else "--load-model"
+    if args.load_model and dirs and saved["args"]["sweep"]:  # its runs are configurations, not seeds of one
+        raise UsageError(f"--load-model {args.load_model}: a --sweep's aggregate; evaluate one of its run folders")
     if n == 1 and dirs and args.resume:  # an aggregate's runs, as one run: it would write over the aggregate's files
         raise UsageError(f"--resume {args.resume}: the aggregate of {len(dirs)} runs, give --num-seeds {len(dirs)}")
     if n == 1:  # (every run's flags go through with_flags: train()'s caller's too, not the CLI's alone)
         return None, [with_flags(args, sweep=(), **grid[0])]
-    if args.load_model and dirs and saved["args"]["sweep"]:  # its runs are configurations, not seeds of one
-        raise UsageError(f"--load-model {args.load_model}: a --sweep's aggregate; evaluate one of its run folders")
     if world_size > 1:
         what = "--sweep runs its configurations" if args.sweep else "--num-seeds stacks the seeds"
         raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")

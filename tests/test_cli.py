@@ -102,7 +102,7 @@ COMMON_BAD_FLAGS = [
     (["--num-envs", "0"], "--num-envs must be positive"),
     (["--total-timesteps", "-5"], "--total-timesteps must be "),
     (["--env-id", "MountainCar-v0"], "invalid choice 'MountainCar-v0' for argument '--env-id'. Expected one of ("),
-    (["--num-envs", "many"], "Error parsing --num-envs: invalid literal for int()"),
+    (["--num-envs", "many"], "error: --num-envs: invalid literal for int()"),
     (["--num-env", "3"], "unrecognized option --num-env; did you mean --num-envs?"),  # (was: "options: --num-env, 3")
     (["--lr", "0.001"], "unrecognized option --lr; did you mean --learning-rate?"),  # (was: --anneal-lr,)
     (["--no-progres-bar"], "unrecognized option --no-progres-bar; did you mean --no-progress-bar?"),
@@ -450,7 +450,8 @@ run_command_line(P.Args, train)
 
 def test_resuming_a_folder_that_refuses_writes_ends_in_one_line(tmp_path):
     """--resume of a run folder on a read-only file system (a user's trial; emulated, as root writes anyway): one
-    line naming it. Before: TensorBoard's writer threads' tracebacks around the line."""
+    line naming it (the folder, not the probe's temporary file in it: a user's trial). Before: TensorBoard's writer
+    threads' tracebacks around the line."""
     assert call_main("ppo_cartpole_gpu", *SHORT, cwd=tmp_path).returncode == 0
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     code = f"""
@@ -460,10 +461,12 @@ import ppo_cartpole_gpu as P
 refused = lambda path: os.path.abspath(os.fsdecode(path)).startswith({folder!r})
 real_open, real_os_open = builtins.open, os.open
 def open_(file, mode="r", *args, **kwargs):
-    if isinstance(file, (str, bytes)) and set(mode) & set("wax+") and refused(file):
+    if isinstance(file, (str, bytes)) and set(mode) & set("wax+") and refused(file) and "opener" not in kwargs:
         raise OSError(30, "Read-only file system", os.fsdecode(file))
     return real_open(file, mode, *args, **kwargs)
 def os_open(path, flags, *args, **kwargs):
+    if flags & os.O_TMPFILE == os.O_TMPFILE and refused(path):  # as where there is none: a named temporary file
+        raise OSError(95, "Operation not supported", os.fsdecode(path))
     if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and refused(path):
         raise OSError(30, "Read-only file system", os.fsdecode(path))
     return real_os_open(path, flags, *args, **kwargs)
@@ -473,4 +476,4 @@ sys.argv[1:] = ["--resume", {folder!r}, "--total-timesteps", "512"]
 P.main()
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert_one_failure_line(result, f"error: [Errno 30] Read-only file system: '{folder}")
+    assert_one_failure_line(result, f"error: [Errno 30] Read-only file system: '{folder}'")

@@ -278,12 +278,15 @@ def test_a_run_that_reached_its_target_resumed_without_one_trains_on(in_tmp):
 
 def test_a_sweeps_aggregate_is_not_evaluated_as_seeds(in_tmp):
     """`--eval-only --load-model <a sweep's aggregate> --num-seeds 4`: refused in one line. Before, its four runs (two
-    configurations) were evaluated as four seeds of one, their values gone from the names, and one IQM pooled."""
+    configurations) were evaluated as four seeds of one, their values gone from the names, and one IQM pooled. Without
+    --num-seeds too: before, the first run was evaluated, its summary.json holding the command's flags, not its own
+    (a user's trial)."""
     P = import_script("ppo_cartpole_gpu")
     train_seeds(P, small_args(P, sweep=("gamma=0.9,0.99",), num_seeds=2, exp_name="grid", eval_episodes=0))
     (group,) = glob.glob(str(in_tmp / "runs" / "*__grid__*-configurations__*"))
-    result = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", group, "--num-seeds", "4", cwd=in_tmp)
-    assert_one_error_line(result, f"--load-model {group}: a --sweep's aggregate; evaluate one of its run folders")
+    for k in ("4", "1"):
+        result = call_main("ppo_cartpole_gpu", "--eval-only", "--load-model", group, "--num-seeds", k, cwd=in_tmp)
+        assert_one_error_line(result, f"--load-model {group}: a --sweep's aggregate; evaluate one of its run folders")
 
 
 def test_a_single_seed_folder_is_not_resumed_as_k_seeds(in_tmp):
