@@ -261,7 +261,7 @@ class Rollout(NamedTuple):
 
 class RolloutNoise(NamedTuple):
     """A rollout's random numbers, drawn before it so that `collect_rollout` is pure tensor code: Gumbel noise
-    (T, N, num_actions) to sample the actions, and (T, N, obs_dim) where an env restarts if its episode ends at t."""
+    (T, N, num_actions) to sample the actions, and (T, N, *state) the state an env restarts in when its episode ends."""
 
     gumbel: torch.Tensor
     initial_states: torch.Tensor

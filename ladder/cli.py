@@ -50,8 +50,9 @@ def check_run_flags(args) -> torch.device:
         theirs = {f.name: f.default for f in fields(args)} | saved["args"]  # (a flag newer than the checkpoint)
         rules = {n: (getattr(args, n) == theirs[n], kept.format(theirs[n])) for n in algorithm}
         check_flags(args, rules)
-        if len(saved["ranks"]) != int(os.environ.get("WORLD_SIZE", "1")):
-            raise UsageError(f"--resume: the checkpoint is of {len(saved['ranks'])} torchrun ranks; resume on as many")
+        if (n := len(saved["ranks"])) != int(os.environ.get("WORLD_SIZE", "1")):
+            how = f"torchrun --nproc-per-node {n}" if n > 1 else "one process, python"
+            raise UsageError(f"--resume: the checkpoint is of {n} torchrun ranks; resume it with {how}")
     return torch.device(args.device)
 
 
@@ -145,6 +146,7 @@ def run_command_line(Args, train, threaded_from_envs: int = 0) -> None:
         train(replace(args, device=str(device)))  # its end syncs the ranks, then rank 0 writes alone
     except UsageError as e:
         rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank finds the same error: rank 0 says it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop of the others: quiet, no traceback
         time.sleep(10 if rank else 0)  # once, and torchrun stops the others when it exits (one still here has its own)
         print(f"error: {e}" if rank == 0 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -32,6 +32,8 @@ def compile_error(e: BaseException | None) -> str | None:
     cause, where = lines[0], [f" ({line})" for line in lines if line.startswith("File ")][-1:]  # your line
     if ours := re.search(r"raised exception UsageError\('(.+)'\)", str(e.__cause__)):  # ladder's own words
         cause = ours[1]
+    elif "Could not guard on data-dependent" in str(e):  # (dynamo's first words: "Consider ... torch._check*()")
+        cause = "a branch on a tensor's value or a host read (.item()) cannot be compiled: keep it out of the phase"
     elif "Optimizer.zero_grad" in str(e):  # CleanRL's update with a torch.optim optimizer
         cause = "torch.optim's zero_grad is one dynamo will not compile: use ladder.optim.Adam, or a subclass of it"
     if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):  # dynamo's last reason: the guard that failed

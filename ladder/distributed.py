@@ -5,6 +5,8 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before a process group exists: docs/running.md, "torchrun"
 import torch.nn as nn
 
+from ladder.flags import UsageError
+
 
 def average_gradients(module: nn.Module, stats: dict | None = None) -> dict | None:
     """`module`'s gradients (between `backward()` and `step()`) and `stats` (returned) averaged over the ranks."""
@@ -18,6 +20,14 @@ def average_gradients(module: nn.Module, stats: dict | None = None) -> dict | No
     for grad, mean in zip(grads, means):
         grad.copy_(mean.view_as(grad))
     return None if stats is None else {tag: mean.view_as(stats[tag]) for tag, mean in zip(stats, means[len(grads) :])}
+
+
+def rank_0s(failed: Exception | None) -> Exception | None:
+    """Rank 0's `failed` on every rank (a UsageError on the others: rank 0 says it), else they would train on alone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    dist.broadcast_object_list(shared := [failed], src=0)
+    return failed or shared[0] and UsageError(f"rank 0: {shared[0]}")
 
 
 def alike(stateful: dict, per_rank: set) -> dict:

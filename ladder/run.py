@@ -64,8 +64,8 @@ class Run(contextlib.AbstractContextManager):
         return fn(*args) if self.k == 1 else self.stack.one_by_one(fn, *args)
 
     def one_call(self, fn):
-        """`fn`, device work, as one call: K runs' vmapped over their state (--compile: one graph); on a GPU recorded as
-        a CUDA graph and replayed (--cuda-graph); one run off a GPU: `fn` as it is."""
+        """`fn`, device work, as one call: for K runs vmapped over their state (--compile: one graph); on a GPU recorded
+        once as a CUDA graph and replayed (--cuda-graph); for one run off a GPU, `fn` itself."""
         call = fn
         if self.k > 1:
             call = lambda *args: self.stack.call(fn, *args, compile=self.args.compile)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ladder.checkpoint import load_in_place, read_checkpoint, state, write_atomically
-from ladder.distributed import alike, broadcast_from_rank_0, load_ranks_own, ranks_apart
+from ladder.distributed import alike, broadcast_from_rank_0, load_ranks_own, rank_0s, ranks_apart
 from ladder.flags import UsageError
 from ladder.outputs import Outputs
 from ladder.progress import Progress
@@ -65,15 +65,13 @@ class Seed:
             note(f"--eval-only: evaluating {a.load_model} ({seed}) into a new run folder, {self.dir}")
         elif total_steps < 0.999 * a.total_timesteps:  # not for 5M -> 4,999,168
             note(f"--total-timesteps {a.total_timesteps:,} is rounded down to whole rollouts: {total_steps:,}")
-        if self.rank == 0:  # (the folder made after W&B's login: a refused --track leaves none)
-            wandb_id = saved and saved["wandb_id"]
-            outputs = Outputs(self.dir, a, wandb_id, total_steps, self.progress.global_step, saved is not None)
-            os.makedirs(self.dir, exist_ok=True)
-            try:  # a resumed folder that cannot be written: one error now, not TensorBoard's threads' tracebacks
-                tempfile.TemporaryFile(dir=self.dir).close()
-            except OSError as e:  # naming the folder, not the probe's file
-                raise OSError(e.errno, e.strerror, self.dir) from None
-            self.outputs = outputs  # (once its folder is there: a run that has none ends with makedirs' own error)
+        failed = None
+        try:  # rank 0's outputs; its failure (no W&B login, a folder it cannot write) stops every rank
+            self.outputs = opened_outputs(self, saved, total_steps) if self.rank == 0 else None
+        except (UsageError, OSError) as e:
+            failed = e
+        if failed := rank_0s(failed):
+            raise failed
         return obs
 
     def restore(self, saved: dict, obs, note):
@@ -170,6 +168,18 @@ class Seed:
         except KeyboardInterrupt as e:
             return e.args[0] if e.args else signal.SIGINT
         return 0
+
+
+def opened_outputs(seed: Seed, saved: dict | None, total_steps: int) -> Outputs:
+    """Rank 0's outputs of `seed`'s folder, made after W&B's login (a refused --track leaves none)."""
+    done, resumed = seed.progress.global_step, saved is not None
+    outputs = Outputs(seed.dir, seed.args, saved and saved["wandb_id"], total_steps, done, resumed)
+    os.makedirs(seed.dir, exist_ok=True)
+    try:  # a resumed folder that cannot be written: one error now, not TensorBoard's threads' tracebacks
+        tempfile.TemporaryFile(dir=seed.dir).close()
+    except OSError as e:  # naming the folder, not the probe's file in it
+        raise OSError(e.errno, e.strerror, seed.dir) from None
+    return outputs
 
 
 def greedy(play, agent, *args):

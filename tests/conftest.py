@@ -244,9 +244,9 @@ def run_script(script: str, *flags, cwd, timeout: float = 600, env=None, hide=No
     )
 
 
-def torchrun(*args, cwd, timeout=300, procs: int = 2) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node procs ARGS` in `cwd`, one OpenMP thread per process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def torchrun(*args, cwd, timeout=300, procs: int = 2, env=None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node procs ARGS` in `cwd`, one OpenMP thread per process (`env`: more)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -319,12 +319,12 @@ def test_resume_on_another_number_of_torchrun_ranks_is_one_line(tmp_path, monkey
     (folder,) = glob.glob(str(tmp_path / "runs" / "*"))
     P = import_script("ppo_cartpole_gpu")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UsageError, match="--resume: the checkpoint is of 1 torchrun ranks; resume on as many"):
+    with pytest.raises(UsageError, match="the checkpoint is of 1 torchrun ranks; resume it with one process, python"):
         check_run_flags(P.Args(num_envs=32, total_timesteps=4096, resume=folder))
     monkeypatch.delenv("WORLD_SIZE")  # and two ranks' checkpoint resumed by one process
     saved = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
     torch.save(saved | {"ranks": saved["ranks"] * 2}, os.path.join(folder, "checkpoint.pt"))
-    with pytest.raises(UsageError, match="--resume: the checkpoint is of 2 torchrun ranks; resume on as many"):
+    with pytest.raises(UsageError, match="of 2 torchrun ranks; resume it with torchrun --nproc-per-node 2"):
         check_run_flags(P.Args(num_envs=32, total_timesteps=4096, resume=folder))
 
 

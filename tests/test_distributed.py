@@ -172,6 +172,18 @@ def test_ctrl_c_under_torchrun_stops_every_rank_with_a_checkpoint_that_resumes(t
     assert summary["status"] == "completed" and summary["iterations"] == saved["counters"]["iteration"] + 3
 
 
+def test_track_without_a_wandb_login_under_torchrun_ends_in_rank_0s_one_line(tmp_path):
+    """Rank 0 alone opens the W&B run: without a login its one line, and the other rank stops with it (a user's
+    trial: rank 1 trained on into the gradients' all-reduce and ended in ~30 lines of Gloo's traceback)."""
+    env = {"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": "online", "WANDB_DIR": str(tmp_path)}
+    flags = ["--total-timesteps", "8192", "--num-envs", "32", "--no-progress-bar", "--track"]
+    result = torchrun(os.path.join(ROOT, "ppo_cartpole_gpu.py"), *flags, cwd=tmp_path, env=env, timeout=240)
+    errors = [line for line in result.stderr.splitlines() if "error: " in line]
+    assert result.returncode != 0 and len(errors) == 1 and "--track: No API key configured" in errors[0], result.stderr
+    assert "[rank1]" not in result.stderr and "Connection closed" not in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("compiled", [[], ["--compile"]], ids=["eager", "compiled"])
 def test_a_final_evaluation_longer_than_the_collective_timeout_finishes(tmp_path, compiled):
     """Rank 0 evaluates alone at the end while the other ranks are done: with collectives timing out after 3 s (5 min

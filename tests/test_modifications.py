@@ -943,6 +943,7 @@ def test_a_coefficient_annealed_in_a_buffer_trains_alike_compiled_and_resumed(na
 @pytest.mark.parametrize("change, cause", [
     ("print", "Failed to trace builtin operator (File"),  # a graph break: printing a tensor
     ("branch", "Data-dependent branching (File"),  # an `if` on a tensor's value
+    ("item", "a branch on a tensor's value or a host read (.item()) cannot be compiled"),  # (dynamo: torch._check)
     ("schedule", "it compiles again at every call, as "),  # a Python number the loss reads, changed every iteration
 ])  # fmt: skip
 def test_what_stops_compilation_ends_the_run_in_one_line(change, cause, in_tmp, monkeypatch):
@@ -956,6 +957,8 @@ def test_what_stops_compilation_ends_the_run_in_one_line(change, cause, in_tmp, 
         if change == "print":
             print(loss)
         if change == "branch" and batch.advantages.mean() > 0:
+            loss = loss * 1.0
+        if change == "item" and batch.advantages.mean().item() > 0:
             loss = loss * 1.0
         return loss - schedule["ent_coef"] * stats["losses/entropy"], stats
 
