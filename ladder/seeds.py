@@ -109,7 +109,8 @@ def seeds_flags(args, grid: list[dict], world_size: int, started: int) -> tuple:
         raise UsageError(f"{what} in one process: under torchrun, use --num-seeds 1 and no --sweep")
     if (args.resume or dirs) and len(dirs or []) != n:
         seeds = f"--num-seeds {k} takes the aggregate folder of {k} seeds (runs/..__{first}-{first + k - 1}__..)"
-        runs = f"this --sweep takes the aggregate folder of its {n} runs" if args.sweep else seeds
+        held = f" ({path} holds {len(dirs)}: the --num-seeds it had?)" if dirs else ""
+        runs = f"this --sweep takes the aggregate folder of its {n} runs{held}" if args.sweep else seeds
         raise UsageError(f"{flag} with {runs}" + (", or --load-model one model for all" if args.load_model else ""))
     if args.resume and all(finished(d, args) for d in dirs):  # as a seed's resume says for one seed
         more = "raise --total-timesteps, or pass --target-return None (or a higher one)"
@@ -141,6 +142,8 @@ def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final:
     or a --sweep's ranking of its configurations (ranking.csv, ranking.json, learning_curves.png)."""
     summaries = [summary for summary in map(read_summary, dirs if final else []) if summary is not None]
     agg = aggregate(summaries) if summaries and not args.sweep else {}  # a sweep's: per configuration (ranking.json)
+    if args.eval_only:  # nothing trained: no counts of runs that reached the target or solved
+        agg = {key: value for key, value in agg.items() if key in ("runs", "seeds", "evaluated") or "eval" in key}
     os.makedirs(folder, exist_ok=True)
     s = {"run_dirs": dirs, "num_seeds": args.num_seeds, **agg, "args": asdict(args)}
     write_atomically(os.path.join(folder, "summary.json"), s)

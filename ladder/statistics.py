@@ -42,13 +42,16 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
 
 
 def line(agg: dict, trained: bool = True) -> str:
-    steps, evals = "none solved" if agg["solved"] == 0 else "no solved level", "no evaluation"
-    if agg["solved"]:
-        (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]
-        steps = f"solved at step median {median:,.0f} (IQR {q1:,.0f}–{q3:,.0f}) of {agg['solved']}"
+    evals = "no evaluation"
     if agg["eval_iqm"] is not None:
         low, high = agg["eval_iqm_ci95"]
         evals = f"eval IQM {agg['eval_iqm']:.1f} (95% CI {low:.1f}–{high:.1f}, {agg['evaluated']} runs)"
+    if not trained:  # --eval-only: nothing reached or solved
+        return evals
+    steps = "none solved" if agg["solved"] == 0 else "no solved level"
+    if agg["solved"]:
+        (q1, q3), median = agg["solved_at_step_iqr"], agg["solved_at_step_median"]
+        steps = f"solved at step median {median:,.0f} (IQR {q1:,.0f}–{q3:,.0f}) of {agg['solved']}"
     reached = f"{agg['target_reached']}/{agg['runs']} reached the target"
     reached = "no target" if "target_return" in agg and agg["target_return"] is None else reached
-    return f"{reached}; {steps}; {evals}" if trained else evals  # (--eval-only: nothing reached or solved)
+    return f"{reached}; {steps}; {evals}"

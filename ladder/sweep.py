@@ -14,6 +14,7 @@ from ladder.flags import RUN_FLAGS, UsageError
 from ladder.statistics import aggregate
 
 WHY_NOT = {"int": "an int flag sets shapes or counts", "bool": "a bool flag picks a branch of the code in Python"}
+WHY_NOT["seed"] = "seeds are --num-seeds K's (--seed to --seed + K - 1)"
 
 
 def sweep_grid(args) -> list[dict]:
@@ -29,15 +30,18 @@ def sweep_grid(args) -> list[dict]:
         if name not in kinds or name in RUN_FLAGS:
             algorithm = [n.replace("_", "-") for n in kinds if n not in RUN_FLAGS]
             meant = difflib.get_close_matches(name.replace("_", "-"), algorithm, n=1)
-            hint = f"; did you mean {meant[0]}?" if meant else ""
-            raise UsageError(f"--sweep {flag}: no such flag of the algorithm{hint}")
+            hint = "a run's flag, not the algorithm's" if name in RUN_FLAGS else "no such flag of the algorithm"
+            raise UsageError(f"--sweep {flag}: {hint}" + (f"; did you mean {meant[0]}?" if meant else ""))
         if kinds[name] != "float" or name in axes:
-            why = "given twice" if name in axes else WHY_NOT.get(kinds[name], f"a {kinds[name]} flag is not one number")
+            kind = WHY_NOT.get(name, WHY_NOT.get(kinds[name], f"its type, {kinds[name]}, is not a float"))
+            why = "given twice" if name in axes else kind
             raise UsageError(f"--sweep {flag}: {why}; only the algorithm's float flags are swept, each once")
         try:
             axes[name] = [float(value) for value in values.split(",")]
         except ValueError as e:
             raise UsageError(f"--sweep {flag}: {str(e).split(': ')[-1]} is not a number") from None
+        if len(set(axes[name])) < len(axes[name]):  # (a typo: two runs of one configuration, under one name)
+            raise UsageError(f"--sweep {flag}: a value is given twice")
         if getattr(args, name) != next(f.default for f in fields(args) if f.name == name):  # the sweep would drop it
             given = f"--{name.replace('_', '-')} {getattr(args, name)}"
             raise UsageError(f"--sweep {flag}: {given} is given too; the sweep sets it (leave one out)")

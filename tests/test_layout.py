@@ -289,14 +289,15 @@ def test_ladder_and_the_five_scripts_keep_their_budgets():
     or in inductor's words (a float rate, a metric that requires grad, `--track True`, `--cuda`), and 36 for ends
     that were not one line or lost a run or a file, from a user's trial (`| head`, which ended the run mid-training
     with no checkpoint; a SIGTERM before the run's start; a summary.json cut short in its writing; a resumed folder
-    that cannot be written, which ended in TensorBoard's threads' tracebacks), and 30 in the thirteenth session
+    that cannot be written, which ended in TensorBoard's threads' tracebacks), and 40 in the thirteenth session
     (`run.one_call`, which took `CudaGraph` and a branch out of the scripts; a sweep's aggregate refused to
     --eval-only without --num-seeds too; an unwritable folder named, not its probe file; rank 0's failure to open
     its outputs, no W&B login, stopping every torchrun rank in its one line; --compile's words for a host read;
-    the torchrun command a checkpoint needs): over the 1,600, said openly.
+    the torchrun command a checkpoint needs; a sweep's value given twice, its seed and run flags, a resume's count,
+    an evaluation's aggregate without training's counts): over the 1,600, said openly.
     docs/tests.md, "Line budgets", says what each holds and what would have to give for 1,600."""
     ladder_lines = sum(len(text(path).splitlines()) for path in LADDER)
-    assert ladder_lines <= 1600 + 174 + 14 + 4 + 7 + 22 + 12 + 35 + 36 + 30, f"ladder/ has {ladder_lines} lines"
+    assert ladder_lines <= 1600 + 174 + 14 + 4 + 7 + 22 + 12 + 35 + 36 + 40, f"ladder/ has {ladder_lines} lines"
     for name in ALL_SCRIPTS:
         lines, characters = len(text(script_path(name)).splitlines()), len(text(script_path(name)))
         assert lines <= 600 and characters <= 36_000, f"{name}.py: {lines} lines, {characters:,} characters"

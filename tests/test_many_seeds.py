@@ -185,7 +185,8 @@ def test_sigterm_stops_every_seed_with_a_checkpoint_and_says_how_to_resume(tmp_p
 def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp, capsys):
     """--save-model: a model in each seed's folder; --capture-video: seed 1's envs filmed; --eval-only --load-model of
     the aggregate folder evaluates each seed's own weights, as its training's final evaluation did, and its line says
-    their evaluation alone (it said "0/2 reached the target; none solved", as if they had trained: a user's trial)."""
+    their evaluation alone (it said "0/2 reached the target; none solved", as if they had trained: a user's trial), as
+    the aggregate's summary.json does (it held `"solved": 0, "target_reached": 0`: another trial)."""
     module = import_script(script)
     args = small_args(module, num_seeds=2, save_model=True, capture_video=True, video_interval=0, exp_name="train")
     train_seeds(module, args)
@@ -199,8 +200,11 @@ def test_two_seeds_save_evaluate_and_film_like_one(script, in_tmp, capsys):
     assert re.search(
         r"^2 seeds: eval IQM [\d.]+ \(95% CI [\d.]+–[\d.]+, 2 runs\); outputs in ", capsys.readouterr().out, re.M
     )
-    evaluated = [read_json(os.path.join(d, "summary.json")) for d in folders(in_tmp, "eval")[1]]
+    eval_group, eval_dirs = folders(in_tmp, "eval")
+    evaluated = [read_json(os.path.join(d, "summary.json")) for d in eval_dirs]
     assert [s["eval_returns"] for s in evaluated] == [s["eval_returns"] for s in trained]
+    agg = read_json(os.path.join(eval_group, "summary.json"))
+    assert agg["evaluated"] == 2 and agg["eval_iqm"] is not None and not {"solved", "target_reached"} & set(agg), agg
 
 
 def test_tracked_seeds_are_a_wandb_run_each_in_one_group_and_resume_in_it(in_tmp, monkeypatch):

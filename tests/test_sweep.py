@@ -42,13 +42,15 @@ def aggregate_folder(tmp, exp_name: str) -> tuple[str, list[str]]:
 @pytest.mark.quick
 @pytest.mark.parametrize("flags, message", [
     (["learning-rat=1e-3"], "--sweep learning-rat: no such flag of the algorithm; did you mean learning-rate?"),
-    (["total-timesteps=1000,2000"], "--sweep total-timesteps: no such flag of the algorithm"),  # a run flag
+    (["total-timesteps=1000,2000"], "--sweep total-timesteps: a run's flag, not the algorithm's"),
     (["learning-rate=1e-3,fast"], "--sweep learning-rate: 'fast' is not a number"),
     (["learning-rate="], "--sweep learning-rate=: write NAME=V1,V2,..."),
     (["learning-rate=1e-3,"], "--sweep learning-rate: '' is not a number"),
     (["num-envs=64,128"], "--sweep num-envs: an int flag sets shapes or counts"),
     (["norm-adv=0,1"], "--sweep norm-adv: a bool flag picks a branch of the code in Python"),
-    (["target-kl=0.01,0.02"], "--sweep target-kl: a Optional[float] flag is not one number"),
+    (["target-kl=0.01,0.02"], "--sweep target-kl: its type, Optional[float], is not a float"),
+    (["seed=1,2"], "--sweep seed: seeds are --num-seeds K's"),
+    (["gamma=0.9,0.90"], "--sweep gamma: a value is given twice"),
     (["gamma=0.9", "gamma=0.99"], "--sweep gamma: given twice"),
     (["learning-rate=1e-3,-1"], "--learning-rate must be > 0, got -1.0"),  # Args' own rule
     (["learning-rate=1e-3,inf"], "--learning-rate must be finite, got inf"),
@@ -212,7 +214,8 @@ def test_reinforce_and_brax_sweep_as_their_seeds_stack(script, in_tmp):
 def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_through(in_tmp, monkeypatch):
     """SIGTERM after iteration 3, then `--resume <aggregate>` with its `--sweep` typed again (the flags come from the
     folder; before, tyro added the sweep given to the folder's, and the same grid was refused): every run's scalars
-    and weights are those of the sweep trained straight through, bit for bit. Another grid is refused, naming it."""
+    and weights are those of the sweep trained straight through, bit for bit. Another grid is refused, naming it, and
+    another --num-seeds says how many runs the folder holds (it said only how many the command makes)."""
     P = import_script("ppo_cartpole_gpu")
     args = small_args(P, sweep=("learning-rate=1e-3,1e-2", "clip-coef=0.1,0.3"), eval_episodes=0)
     whole = train_seeds(P, replace(args, exp_name="whole"))
@@ -234,6 +237,8 @@ def test_a_sweep_stopped_and_resumed_from_the_command_line_equals_one_straight_t
     other = call_main("ppo_cartpole_gpu", "--resume", group, "--sweep", "learning-rate=1e-3", cwd=in_tmp)
     assert_one_error_line(other, "--sweep must be the checkpoint's ('learning-rate=1e-3,1e-2', 'clip-coef=0.1,0.3')")
     assert other.stderr.strip().endswith("got ('learning-rate=1e-3',)"), other.stderr
+    more = call_main("ppo_cartpole_gpu", "--resume", group, *again, "--num-seeds", "2", cwd=in_tmp)  # 8 runs, not 4
+    assert_one_error_line(more, f"this --sweep takes the aggregate folder of its 8 runs ({group} holds 4: the --num-s")
 
 
 def test_a_compiled_sweep_trains_as_the_eager_one(in_tmp):
