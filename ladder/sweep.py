@@ -30,8 +30,8 @@ def sweep_grid(args) -> list[dict]:
         if name not in kinds or name in RUN_FLAGS:
             algorithm = [n.replace("_", "-") for n in kinds if n not in RUN_FLAGS]
             meant = difflib.get_close_matches(name.replace("_", "-"), algorithm, n=1)
-            hint = "a run's flag, not the algorithm's" if name in RUN_FLAGS else "no such flag of the algorithm"
-            raise UsageError(f"--sweep {flag}: {hint}" + (f"; did you mean {meant[0]}?" if meant else ""))
+            what = "a run's flag, not the algorithm's" if name in RUN_FLAGS else "no such flag of the algorithm"
+            raise UsageError(f"--sweep {flag}: {what}" + (f"; did you mean {meant[0]}?" if meant else ""))
         if kinds[name] != "float" or name in axes:
             kind = WHY_NOT.get(name, WHY_NOT.get(kinds[name], f"its type, {kinds[name]}, is not a float"))
             why = "given twice" if name in axes else kind
