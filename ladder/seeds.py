@@ -143,7 +143,7 @@ def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final:
     summaries = [summary for summary in map(read_summary, dirs if final else []) if summary is not None]
     agg = aggregate(summaries) if summaries and not args.sweep else {}  # a sweep's: per configuration (ranking.json)
     if args.eval_only:  # nothing trained: no counts of runs that reached the target or solved
-        agg = {key: value for key, value in agg.items() if key in ("runs", "seeds", "evaluated") or "eval" in key}
+        agg = {key: value for key, value in agg.items() if key in ("runs", "seeds") or key.startswith("eval")}
     os.makedirs(folder, exist_ok=True)
     s = {"run_dirs": dirs, "num_seeds": args.num_seeds, **agg, "args": asdict(args)}
     write_atomically(os.path.join(folder, "summary.json"), s)
@@ -151,4 +151,4 @@ def write_aggregate(folder: str, dirs: list[str], args, grid: list[dict], final:
         rows = write_ranking(folder, grid, dirs, summaries)
         print(f"{len(grid)} configurations x {args.num_seeds} seeds, ranked:\n{table(rows)}\noutputs in {folder}")
     elif final and summaries:
-        print(f"{len(dirs)} seeds: {line(agg, trained=not args.eval_only)}; outputs in {folder}")
+        print(f"{len(dirs)} seeds: {line(agg)}; outputs in {folder}")

@@ -41,12 +41,12 @@ def aggregate(summaries: list[dict], reps: int = 10_000, seed: int = 0) -> dict:
     return agg
 
 
-def line(agg: dict, trained: bool = True) -> str:
+def line(agg: dict) -> str:
     evals = "no evaluation"
     if agg["eval_iqm"] is not None:
         low, high = agg["eval_iqm_ci95"]
         evals = f"eval IQM {agg['eval_iqm']:.1f} (95% CI {low:.1f}–{high:.1f}, {agg['evaluated']} runs)"
-    if not trained:  # --eval-only: nothing reached or solved
+    if "solved" not in agg:  # --eval-only's aggregate: nothing trained, so nothing reached or solved
         return evals
     steps = "none solved" if agg["solved"] == 0 else "no solved level"
     if agg["solved"]:
